@@ -1,0 +1,124 @@
+"""Microbenchmark of the attention-prologue ops on Qwen3-8B drafter shapes.
+
+    python benchmarks/bench_norm_rope.py [--tokens 1 16 256 4096] [--dtypes bf16 fp32] [--check] [--json PATH]
+
+Compares, in the same run, the fused op with the eager pure-PyTorch reference
+(qspec_ext.reference) and torch.compile of that reference.
+"""
+
+import argparse
+import sys
+
+import torch
+from common import Row, add_common_args, compiled, report, time_fn
+
+import qspec_ext
+from qspec_ext import reference as ref
+
+# Qwen3-8B: hidden 4096, 32 q heads, 8 kv heads, head_dim 128.
+HIDDEN, HEADS_Q, HEADS_KV, HEAD_DIM = 4096, 32, 8, 128
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+OPS = ["qk_norm_rope_", "qk_norm_rope_+cache", "rms_norm", "fused_add_rms_norm_", "eagle3_input_norm"]
+
+
+def make_case(op: str, tokens: int, dtype: torch.dtype, device: str):
+    """(our call, reference call, bytes moved, checker) for one op and shape."""
+    g = torch.Generator(device=device).manual_seed(0)
+    rnd = lambda *shape: torch.randn(*shape, generator=g, device=device).to(dtype)  # noqa: E731
+    w = torch.rand(HIDDEN, generator=g, device=device) + 0.5  # fp32 weights, as checkpoints keep them
+    elt = torch.tensor([], dtype=dtype).element_size()
+    if op.startswith("qk_norm_rope_"):
+        qkv = rnd(tokens, (HEADS_Q + 2 * HEADS_KV) * HEAD_DIM)
+        cache = qspec_ext.rope_cos_sin_cache(tokens + 4096, HEAD_DIM, device=device)
+        positions = torch.arange(tokens, device=device) + 4096
+        args = (w[:HEAD_DIM], w[HEAD_DIM : 2 * HEAD_DIM], cache, positions, HEADS_Q, HEADS_KV, HEAD_DIM, 1e-6, True)
+        moved = 2 * tokens * (HEADS_Q + HEADS_KV) * HEAD_DIM * elt
+        kv = {}
+        if op.endswith("+cache"):
+            slots = tokens * 2
+            kv = dict(
+                k_cache=torch.zeros(slots, HEADS_KV, HEAD_DIM, dtype=dtype, device=device),
+                v_cache=torch.zeros(slots, HEADS_KV, HEAD_DIM, dtype=dtype, device=device),
+                slot_mapping=torch.randperm(slots, generator=g, device=device)[:tokens],
+            )
+            moved += 3 * tokens * HEADS_KV * HEAD_DIM * elt  # read V, write K and V rows
+        ours_qkv, ref_qkv = qkv.clone(), qkv.clone()
+        ours_kv = {k: v.clone() for k, v in kv.items()}
+        ref_kv = {k: v.clone() for k, v in kv.items()}
+
+        def check():
+            a, b = qkv.clone(), qkv.clone()
+            ka = {k: v.clone() for k, v in kv.items()}
+            kb = {k: v.clone() for k, v in kv.items()}
+            qspec_ext.qk_norm_rope_(a, *args, **ka)
+            ref.qk_norm_rope_(b, *args, **kb)
+            return [(a, b)] + [(ka[k], kb[k]) for k in ("k_cache", "v_cache") if k in ka]
+
+        return (
+            lambda: qspec_ext.qk_norm_rope_(ours_qkv, *args, **ours_kv),
+            lambda fn: (lambda: fn(ref_qkv, *args, **ref_kv)),
+            ref.qk_norm_rope_,
+            moved,
+            check,
+        )
+    x, r = rnd(tokens, HIDDEN), rnd(tokens, HIDDEN)
+    if op == "rms_norm":
+        return (
+            lambda: qspec_ext.rms_norm(x, w, 1e-6), lambda fn: (lambda: fn(x, w, 1e-6)), ref.rms_norm,
+            2 * tokens * HIDDEN * elt, lambda: [(qspec_ext.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6))],
+        )
+    if op == "fused_add_rms_norm_":
+        xo, ro, xr, rr = x.clone(), r.clone(), x.clone(), r.clone()
+
+        def check():
+            a, ra, b, rb = x.clone(), r.clone(), x.clone(), r.clone()
+            qspec_ext.fused_add_rms_norm_(a, ra, w, 1e-6)
+            ref.fused_add_rms_norm_(b, rb, w, 1e-6)
+            return [(a, b), (ra, rb)]
+
+        return (
+            lambda: qspec_ext.fused_add_rms_norm_(xo, ro, w, 1e-6), lambda fn: (lambda: fn(xr, rr, w, 1e-6)),
+            ref.fused_add_rms_norm_, 4 * tokens * HIDDEN * elt, check,
+        )
+    if op == "eagle3_input_norm":
+        call = lambda f: f(x, r, w, w, 1e-6, True)  # noqa: E731
+        return (
+            lambda: call(qspec_ext.eagle3_input_norm), lambda fn: (lambda: call(fn)), ref.eagle3_input_norm,
+            5 * tokens * HIDDEN * elt, lambda: list(zip(call(qspec_ext.eagle3_input_norm), call(ref.eagle3_input_norm))),
+        )
+    raise ValueError(f"unknown op {op}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 256, 4096])
+    parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=list(DTYPES))
+    parser.add_argument("--ops", nargs="+", default=OPS, choices=OPS)
+    add_common_args(parser)
+    args = parser.parse_args()
+    tolerance = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+    rows, failures = [], 0
+    for op in args.ops:
+        for dtype_name in args.dtypes:
+            dtype = DTYPES[dtype_name]
+            for tokens in args.tokens:
+                ours, bind, reference, moved, check = make_case(op, tokens, dtype, args.device)
+                if args.check:
+                    for a, b in check():
+                        if not torch.allclose(a.float(), b.float(), atol=tolerance[dtype], rtol=tolerance[dtype]):
+                            failures += 1
+                            print(f"CHECK FAILED: {op} {dtype_name} T={tokens}: max diff {(a.float() - b.float()).abs().max():.3g}")
+                row = Row(op, dtype_name, f"T={tokens}", moved, time_fn(ours, args.device, args.min_time))
+                row.baselines["eager"] = time_fn(bind(reference), args.device, args.min_time)
+                if not args.no_compile:
+                    row.baselines["compile"] = time_fn(bind(compiled(reference)), args.device, args.min_time)
+                rows.append(row)
+                print(f"  {op} {dtype_name} T={tokens}: {row.ours.median_us:.1f} us", file=sys.stderr, flush=True)
+    report("qspec_ext norm / RoPE prologue (Qwen3-8B: H 4096, 32/8 heads, D 128)", rows, args.device, args.json)
+    if args.check:
+        print("check: all outputs match the reference" if failures == 0 else f"check: {failures} mismatches")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""Timing and reporting shared by the kernel benchmarks.
+
+Latency is the median (with p20/p80) over many timed calls after warm-up. On CUDA each
+call is timed with events and L2 is flushed before it (cold cache), as streaming kernels
+see in a real decode step. Speed-ups are ratios to baselines timed in the same run.
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+import qspec_ext
+
+# Peak HBM bandwidth (bytes/s) of the GPUs we report a fraction of peak for.
+PEAK_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "B200": 8.0e12, "A100": 2.0e12}
+
+
+@dataclass
+class Timing:
+    median_us: float
+    p20_us: float
+    p80_us: float
+    samples: int
+
+
+@dataclass
+class Row:
+    op: str
+    dtype: str
+    shape: str
+    bytes: int
+    ours: Timing
+    baselines: dict[str, Timing] = field(default_factory=dict)
+
+    def gbps(self) -> float:
+        return self.bytes / (self.ours.median_us * 1e-6) / 1e9
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--check", action="store_true", help="verify against the reference before timing")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    parser.add_argument("--min-time", type=float, default=0.3, help="seconds of timed calls per measurement")
+
+
+def time_fn(fn: Callable[[], object], device: str, min_time: float = 0.3, max_samples: int = 2000) -> Timing:
+    """Median/p20/p80 latency of fn() in microseconds."""
+    is_cuda = device.startswith("cuda")
+    flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device=device) if is_cuda else None
+    for _ in range(3):
+        fn()
+    samples: list[float] = []
+    deadline = time.perf_counter() + min_time
+    while len(samples) < max_samples and (len(samples) < 10 or time.perf_counter() < deadline):
+        if is_cuda:
+            flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) * 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e6)
+    q = statistics.quantiles(samples, n=10)
+    return Timing(statistics.median(samples), q[1], q[7], len(samples))
+
+
+def peak_bandwidth(device: str) -> float | None:
+    if not device.startswith("cuda"):
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((bw for key, bw in PEAK_BANDWIDTH.items() if key in name), None)
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(device)
+    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+
+
+def report(title: str, rows: list[Row], device: str, json_path: str | None) -> None:
+    peak = peak_bandwidth(device)
+    names = list(dict.fromkeys(name for row in rows for name in row.baselines))
+    header = ["op", "dtype", "shape", "median us", "p20-p80 us", "GB/s"] + (["% peak"] if peak else [])
+    for name in names:
+        header += [f"{name} us", f"x vs {name}"]
+    table = []
+    for row in rows:
+        line = [
+            row.op, row.dtype, row.shape, f"{row.ours.median_us:.1f}",
+            f"{row.ours.p20_us:.1f}-{row.ours.p80_us:.1f}", f"{row.gbps():.1f}",
+        ]
+        if peak:
+            line.append(f"{100 * row.gbps() * 1e9 / peak:.0f}%")
+        for name in names:
+            base = row.baselines.get(name)
+            line += [f"{base.median_us:.1f}", f"{base.median_us / row.ours.median_us:.2f}"] if base else ["-", "-"]
+        table.append(line)
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *table)]
+    print(f"\n{title} on {device_name(device)} (torch {torch.__version__}, qspec_ext {qspec_ext.__version__})")
+    for line in [header, ["-" * w for w in widths], *table]:
+        print("  ".join(str(x).rjust(w) for x, w in zip(line, widths)))
+    if json_path:
+        meta = dict(title=title, device=device_name(device), torch=torch.__version__, build=qspec_ext.build_info(),
+                    peak_bandwidth=peak, argv=sys.argv)
+        out = [asdict(r) | {"gbps": r.gbps()} for r in rows]
+        with open(json_path, "w") as f:
+            json.dump({"meta": meta, "rows": out}, f, indent=1)
+        print(f"wrote {json_path}")
+
+
+def compiled(fn: Callable) -> Callable:
+    return torch.compile(fn, dynamic=False)

@@ -1,0 +1,144 @@
+#include "checks.h"
+
+#include "qspec_ext/norm_rope.h"
+
+namespace qspec_ext {
+
+void check_activation(std::string_view op, std::string_view name, const at::Tensor& t) {
+  const auto dt = t.scalar_type();
+  QSPEC_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16, op, name,
+              "must be float32, float16 or bfloat16, got ", dt);
+}
+
+void check_same_device(std::string_view op, std::string_view name, const at::Tensor& t, const at::Tensor& ref) {
+  QSPEC_CHECK(t.device() == ref.device(), op, name, "must be on ", ref.device(), ", got ", t.device());
+}
+
+void check_norm_weight(std::string_view op, std::string_view name, const at::Tensor& weight, int64_t width,
+                       const at::Tensor& activation) {
+  check_same_device(op, name, weight, activation);
+  QSPEC_CHECK(weight.dim() == 1 && weight.size(0) == width, op, name, "must have shape [", width, "], got ",
+              weight.sizes());
+  QSPEC_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == activation.scalar_type(), op, name,
+              "must be float32 or the activation dtype ", activation.scalar_type(), ", got ",
+              weight.scalar_type());
+}
+
+void check_index(std::string_view op, std::string_view name, const at::Tensor& t, int64_t length,
+                 const at::Tensor& ref) {
+  check_same_device(op, name, t, ref);
+  QSPEC_CHECK(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, op, name,
+              "must be int32 or int64, got ", t.scalar_type());
+  QSPEC_CHECK(t.dim() == 1 && t.size(0) == length, op, name, "must have shape [", length, "], got ", t.sizes());
+}
+
+at::Tensor as_rows(std::string_view op, std::string_view name, const at::Tensor& t) {
+  QSPEC_CHECK(t.dim() >= 1, op, name, "must have at least 1 dimension, got a scalar");
+  const int64_t width = t.size(-1);
+  QSPEC_CHECK(t.stride(-1) == 1 || width == 1, op, name, "must have a contiguous last dimension, got strides ",
+              t.strides());
+  if (t.dim() == 1) return t.view({1, width});
+  // Leading dims must collapse into one row dimension with a single stride.
+  int64_t expected = t.stride(-2);
+  for (int64_t d = t.dim() - 2; d > 0; --d) {
+    expected *= t.size(d);
+    QSPEC_CHECK(t.size(d - 1) == 1 || t.stride(d - 1) == expected, op, name,
+                "must have rows with one common stride (leading dims that flatten without a copy), got shape ",
+                t.sizes(), " and strides ", t.strides());
+  }
+  return t.as_strided({t.numel() / std::max<int64_t>(width, 1), width}, {t.dim() > 1 ? t.stride(-2) : width, 1});
+}
+
+static void check_cache(std::string_view name, const at::Tensor& cache, const at::Tensor& qkv, int64_t heads,
+                        int64_t head_dim) {
+  constexpr std::string_view op = "qk_norm_rope_";
+  check_same_device(op, name, cache, qkv);
+  QSPEC_CHECK(cache.scalar_type() == qkv.scalar_type(), op, name, "must have the dtype of qkv (",
+              qkv.scalar_type(), "), got ", cache.scalar_type());
+  QSPEC_CHECK(cache.dim() == 3 && cache.size(1) == heads && cache.size(2) == head_dim, op, name,
+              "must have shape [num_slots, ", heads, ", ", head_dim, "], got ", cache.sizes());
+  QSPEC_CHECK(cache.stride(2) == 1, op, name, "must have a contiguous last dimension, got strides ",
+              cache.strides());
+}
+
+QKNormRopeShape check_qk_norm_rope(const at::Tensor& qkv, const std::optional<at::Tensor>& q_weight,
+                                   const std::optional<at::Tensor>& k_weight, const at::Tensor& cos_sin_cache,
+                                   const at::Tensor& positions, int64_t num_heads_q, int64_t num_heads_kv,
+                                   int64_t head_dim, const std::optional<at::Tensor>& k_cache,
+                                   const std::optional<at::Tensor>& v_cache,
+                                   const std::optional<at::Tensor>& slot_mapping) {
+  constexpr std::string_view op = "qk_norm_rope_";
+  QKNormRopeShape s{};
+  check_activation(op, "qkv", qkv);
+  QSPEC_CHECK(num_heads_q > 0 && num_heads_kv > 0, op, "num_heads_q/num_heads_kv",
+              "must be positive, got ", num_heads_q, " and ", num_heads_kv);
+  QSPEC_CHECK(num_heads_q % num_heads_kv == 0, op, "num_heads_q",
+              "must be a multiple of num_heads_kv (", num_heads_kv, "), got ", num_heads_q);
+  QSPEC_CHECK(head_dim > 0 && head_dim % 2 == 0 && head_dim <= kMaxHeadDim, op, "head_dim",
+              "must be even and in [2, ", kMaxHeadDim, "], got ", head_dim);
+  const int64_t width = (num_heads_q + 2 * num_heads_kv) * head_dim;
+  QSPEC_CHECK(qkv.dim() == 2 && qkv.size(1) == width, op, "qkv",
+              "must have shape [num_tokens, (num_heads_q + 2 * num_heads_kv) * head_dim] = [num_tokens, ", width,
+              "], got ", qkv.sizes());
+  QSPEC_CHECK(qkv.stride(1) == 1, op, "qkv", "must have a contiguous last dimension, got strides ",
+              qkv.strides());
+  s.num_tokens = qkv.size(0);
+  s.num_heads_q = num_heads_q;
+  s.num_heads_kv = num_heads_kv;
+  s.head_dim = head_dim;
+
+  QSPEC_CHECK(q_weight.has_value() == k_weight.has_value(), op, "q_weight/k_weight",
+              "must both be given (QK-norm) or both be None (RoPE only)");
+  s.has_norm = q_weight.has_value();
+  if (s.has_norm) {
+    check_norm_weight(op, "q_weight", *q_weight, head_dim, qkv);
+    check_norm_weight(op, "k_weight", *k_weight, head_dim, qkv);
+    QSPEC_CHECK(k_weight->scalar_type() == q_weight->scalar_type(), op, "k_weight", "must have the dtype of q_weight (",
+                q_weight->scalar_type(), "), got ", k_weight->scalar_type());
+  }
+
+  check_same_device(op, "cos_sin_cache", cos_sin_cache, qkv);
+  QSPEC_CHECK(cos_sin_cache.dim() == 2, op, "cos_sin_cache", "must have shape [max_position, rotary_dim], got ",
+              cos_sin_cache.sizes());
+  s.rot_dim = cos_sin_cache.size(1);
+  s.max_position = cos_sin_cache.size(0);
+  QSPEC_CHECK(s.rot_dim > 0 && s.rot_dim % 2 == 0 && s.rot_dim <= head_dim, op, "cos_sin_cache",
+              "must have an even rotary_dim (size of dim 1) in [2, head_dim=", head_dim, "], got ", s.rot_dim);
+  QSPEC_CHECK(cos_sin_cache.scalar_type() == at::kFloat || cos_sin_cache.scalar_type() == qkv.scalar_type(), op,
+              "cos_sin_cache", "must be float32 or the dtype of qkv (", qkv.scalar_type(), "), got ",
+              cos_sin_cache.scalar_type());
+  QSPEC_CHECK(cos_sin_cache.is_contiguous(), op, "cos_sin_cache", "must be contiguous, got strides ",
+              cos_sin_cache.strides());
+  check_index(op, "positions", positions, s.num_tokens, qkv);
+
+  QSPEC_CHECK(k_cache.has_value() == v_cache.has_value() && k_cache.has_value() == slot_mapping.has_value(), op,
+              "k_cache/v_cache/slot_mapping", "must all be given or all be None");
+  s.has_cache = k_cache.has_value();
+  if (s.has_cache) {
+    check_cache("k_cache", *k_cache, qkv, num_heads_kv, head_dim);
+    check_cache("v_cache", *v_cache, qkv, num_heads_kv, head_dim);
+    QSPEC_CHECK(v_cache->size(0) == k_cache->size(0), op, "v_cache", "must have as many slots as k_cache (",
+                k_cache->size(0), "), got ", v_cache->size(0));
+    check_index(op, "slot_mapping", *slot_mapping, s.num_tokens, qkv);
+    s.num_slots = k_cache->size(0);
+  }
+  return s;
+}
+
+void check_eagle3_input_norm(const at::Tensor& embeds, const at::Tensor& hidden, const at::Tensor& embed_weight,
+                             const at::Tensor& hidden_weight) {
+  constexpr std::string_view op = "eagle3_input_norm";
+  check_activation(op, "embeds", embeds);
+  QSPEC_CHECK(embeds.dim() == 2, op, "embeds", "must have shape [num_tokens, hidden_size], got ", embeds.sizes());
+  QSPEC_CHECK(hidden.scalar_type() == embeds.scalar_type(), op, "hidden", "must have the dtype of embeds (",
+              embeds.scalar_type(), "), got ", hidden.scalar_type());
+  check_same_device(op, "hidden", hidden, embeds);
+  QSPEC_CHECK(hidden.sizes() == embeds.sizes(), op, "hidden", "must have the shape of embeds ", embeds.sizes(),
+              ", got ", hidden.sizes());
+  QSPEC_CHECK(embeds.stride(1) == 1 && hidden.stride(1) == 1, op, "embeds/hidden",
+              "must have a contiguous last dimension, got strides ", embeds.strides(), " and ", hidden.strides());
+  check_norm_weight(op, "embed_weight", embed_weight, embeds.size(1), embeds);
+  check_norm_weight(op, "hidden_weight", hidden_weight, embeds.size(1), embeds);
+}
+
+}  // namespace qspec_ext

@@ -1,0 +1,58 @@
+// Argument validation shared by the CPU and CUDA entry points. Every failure raises a
+// RuntimeError naming the op, the argument, what was expected and what was given.
+#pragma once
+
+#include <optional>
+#include <string_view>
+
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#define QSPEC_CHECK(cond, op, arg, ...) \
+  TORCH_CHECK(cond, "qspec_ext.", op, ": argument '", arg, "' ", __VA_ARGS__)
+
+// Dispatch over the activation dtypes (fp32, fp16, bf16); binds scalar_t.
+#define QSPEC_DISPATCH_ACTIVATION(TYPE, NAME, ...)                                        \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)                \
+                                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)              \
+                                         AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+
+namespace qspec_ext {
+
+// fp32, fp16 or bf16.
+void check_activation(std::string_view op, std::string_view name, const at::Tensor& t);
+void check_same_device(std::string_view op, std::string_view name, const at::Tensor& t, const at::Tensor& ref);
+// 1-D [width] norm weight in fp32 or the activation dtype, on the activation's device.
+void check_norm_weight(std::string_view op, std::string_view name, const at::Tensor& weight, int64_t width,
+                       const at::Tensor& activation);
+// Index tensor: int32 or int64, 1-D [length], on ref's device.
+void check_index(std::string_view op, std::string_view name, const at::Tensor& t, int64_t length,
+                 const at::Tensor& ref);
+// A [rows, width] view of t (any rank >= 1) whose rows may be strided; never copies.
+at::Tensor as_rows(std::string_view op, std::string_view name, const at::Tensor& t);
+
+// Shapes of one qk_norm_rope_ call, validated.
+struct QKNormRopeShape {
+  int64_t num_tokens;
+  int64_t num_heads_q;
+  int64_t num_heads_kv;
+  int64_t head_dim;
+  int64_t rot_dim;
+  int64_t max_position;
+  int64_t num_slots;  // 0 without caches
+  bool has_norm;
+  bool has_cache;
+};
+
+QKNormRopeShape check_qk_norm_rope(const at::Tensor& qkv, const std::optional<at::Tensor>& q_weight,
+                                   const std::optional<at::Tensor>& k_weight, const at::Tensor& cos_sin_cache,
+                                   const at::Tensor& positions, int64_t num_heads_q, int64_t num_heads_kv,
+                                   int64_t head_dim, const std::optional<at::Tensor>& k_cache,
+                                   const std::optional<at::Tensor>& v_cache,
+                                   const std::optional<at::Tensor>& slot_mapping);
+
+void check_eagle3_input_norm(const at::Tensor& embeds, const at::Tensor& hidden, const at::Tensor& embed_weight,
+                             const at::Tensor& hidden_weight);
+
+}  // namespace qspec_ext

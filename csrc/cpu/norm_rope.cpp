@@ -1,0 +1,344 @@
+// CPU kernels of the norm / RoPE family: parallel over rows (tokens) with at::parallel_for,
+// vectorized by the compiler over fp32 scratch rows. Each row kernel is compiled for
+// AVX-512, AVX2 and baseline x86-64 and picked at load time (target_clones).
+#include <algorithm>
+#include <vector>
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include "checks.h"
+#include "ops.h"
+#include "qspec_ext/norm_rope.h"
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define QSPEC_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define QSPEC_CPU_CLONES
+#endif
+#define QSPEC_INLINE inline __attribute__((always_inline))
+
+namespace qspec_ext {
+namespace {
+
+// Rows per parallel task: enough work (about 64K elements) to pay for a thread.
+int64_t grain_for(int64_t elements_per_row) {
+  return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(elements_per_row, 1));
+}
+
+template <typename T>
+QSPEC_INLINE void load_float(const T* __restrict__ src, float* __restrict__ dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <typename T>
+QSPEC_INLINE void store_float(const float* __restrict__ src, T* __restrict__ dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+QSPEC_INLINE float sum_squares(const float* __restrict__ x, int64_t n) {
+  float acc[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) acc[j] += x[i + j] * x[i + j];
+  float total = 0.f;
+  for (; i < n; ++i) total += x[i] * x[i];
+  for (int j = 0; j < 16; ++j) total += acc[j];
+  return total;
+}
+
+// x = x * rms_inv(x) * weight, in place on an fp32 row.
+QSPEC_INLINE void rms_normalize(float* __restrict__ x, const float* __restrict__ weight, int64_t n, float eps) {
+  const float inv = rms_inv(sum_squares(x, n), static_cast<int>(n), eps);
+  for (int64_t i = 0; i < n; ++i) x[i] = x[i] * inv * weight[i];
+}
+
+// A norm weight as fp32 (weights may be stored in fp32 or the activation dtype).
+std::vector<float> weight_as_float(const at::Tensor& weight) {
+  const at::Tensor w = weight.to(at::kFloat).contiguous();
+  return std::vector<float>(w.data_ptr<float>(), w.data_ptr<float>() + w.numel());
+}
+
+int64_t read_index(const at::Tensor& t, int64_t i) {
+  return t.scalar_type() == at::kInt ? static_cast<int64_t>(t.const_data_ptr<int32_t>()[i])
+                                     : t.const_data_ptr<int64_t>()[i];
+}
+
+// Value checks done before any write, so a bad call leaves its outputs untouched.
+void check_index_range(std::string_view op, std::string_view name, const at::Tensor& t, int64_t lo, int64_t hi,
+                       std::string_view what) {
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    const int64_t v = read_index(t, i);
+    QSPEC_CHECK(v >= lo && v < hi, op, name, "must hold values in [", lo, ", ", hi, ") (", what, "), got ", v,
+                " at index ", i);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// rms_norm / fused_add_rms_norm_ / eagle3_input_norm
+// ---------------------------------------------------------------------------------------
+
+template <typename T>
+struct RowNormParams {
+  const T* input;  // [rows, width], row stride input_stride
+  int64_t input_stride;
+  T* out;  // [rows, width], row stride out_stride
+  int64_t out_stride;
+  T* residual;  // fused add only: [rows, width], row stride residual_stride
+  int64_t residual_stride;
+  const float* weight;  // [width]
+  int64_t width;
+  float eps;
+};
+
+template <typename T>
+QSPEC_INLINE void rms_norm_rows_impl(const RowNormParams<T>& p, int64_t begin, int64_t end) {
+  std::vector<float> row(p.width);
+  for (int64_t r = begin; r < end; ++r) {
+    load_float(p.input + r * p.input_stride, row.data(), p.width);
+    rms_normalize(row.data(), p.weight, p.width, p.eps);
+    store_float(row.data(), p.out + r * p.out_stride, p.width);
+  }
+}
+
+template <typename T>
+QSPEC_INLINE void fused_add_rms_norm_rows_impl(const RowNormParams<T>& p, int64_t begin, int64_t end) {
+  std::vector<float> row(p.width), res(p.width);
+  for (int64_t r = begin; r < end; ++r) {
+    T* residual = p.residual + r * p.residual_stride;
+    load_float(p.input + r * p.input_stride, row.data(), p.width);
+    load_float(residual, res.data(), p.width);
+    for (int64_t i = 0; i < p.width; ++i) row[i] += res[i];
+    store_float(row.data(), residual, p.width);
+    rms_normalize(row.data(), p.weight, p.width, p.eps);  // the fp32 sum, not its rounding
+    store_float(row.data(), p.out + r * p.out_stride, p.width);
+  }
+}
+
+#define QSPEC_ROW_KERNELS(T)                                                                       \
+  QSPEC_CPU_CLONES void rms_norm_rows(const RowNormParams<T>& p, int64_t b, int64_t e) {           \
+    rms_norm_rows_impl(p, b, e);                                                                   \
+  }                                                                                                \
+  QSPEC_CPU_CLONES void fused_add_rms_norm_rows(const RowNormParams<T>& p, int64_t b, int64_t e) { \
+    fused_add_rms_norm_rows_impl(p, b, e);                                                         \
+  }
+QSPEC_ROW_KERNELS(float)
+QSPEC_ROW_KERNELS(c10::Half)
+QSPEC_ROW_KERNELS(c10::BFloat16)
+#undef QSPEC_ROW_KERNELS
+
+// ---------------------------------------------------------------------------------------
+// qk_norm_rope_
+// ---------------------------------------------------------------------------------------
+
+template <typename T>
+struct QKNormRopeParams {
+  T* qkv;  // [T, (Hq + 2 Hkv) * D], row stride qkv_stride
+  int64_t qkv_stride;
+  const float* q_weight;  // [D] or nullptr (no QK-norm)
+  const float* k_weight;  // [D] or nullptr
+  const float* cos_sin_f32;  // [max_pos, rot] when the cache is fp32
+  const T* cos_sin_t;  // [max_pos, rot] when the cache has the activation dtype
+  const at::Tensor* positions;  // [T] int32/int64, validated
+  const at::Tensor* slot_mapping;  // [T] or nullptr
+  T* k_cache;  // [num_slots, Hkv, D] strides (slot, head, 1)
+  T* v_cache;
+  int64_t k_cache_strides[2];
+  int64_t v_cache_strides[2];
+  int num_heads_q, num_heads_kv, head_dim, rot_dim;
+  float eps;
+  bool is_neox;
+};
+
+template <typename T>
+QSPEC_INLINE void rope_row(float* __restrict__ x, const float* __restrict__ cos, const float* __restrict__ sin,
+                           int rot, bool is_neox) {
+  const int half = rot / 2;
+  if (is_neox) {
+    for (int i = 0; i < half; ++i) {
+      const float a = x[i], b = x[i + half];
+      x[i] = rope_rotate_first(a, b, cos[i], sin[i]);
+      x[i + half] = rope_rotate_second(a, b, cos[i], sin[i]);
+    }
+  } else {
+    for (int i = 0; i < half; ++i) {
+      const float a = x[2 * i], b = x[2 * i + 1];
+      x[2 * i] = rope_rotate_first(a, b, cos[i], sin[i]);
+      x[2 * i + 1] = rope_rotate_second(a, b, cos[i], sin[i]);
+    }
+  }
+}
+
+template <typename T>
+QSPEC_INLINE void qk_norm_rope_rows_impl(const QKNormRopeParams<T>& p, int64_t begin, int64_t end) {
+  alignas(64) float cos_sin[kMaxHeadDim];
+  alignas(64) float head[kMaxHeadDim];
+  const int D = p.head_dim;
+  const int half = p.rot_dim / 2;
+  for (int64_t t = begin; t < end; ++t) {
+    const int64_t pos = read_index(*p.positions, t);
+    if (p.cos_sin_f32 != nullptr) {
+      std::copy_n(p.cos_sin_f32 + pos * p.rot_dim, p.rot_dim, cos_sin);
+    } else {
+      load_float(p.cos_sin_t + pos * p.rot_dim, cos_sin, p.rot_dim);
+    }
+    T* row = p.qkv + t * p.qkv_stride;
+    const int64_t slot = p.slot_mapping != nullptr ? read_index(*p.slot_mapping, t) : -1;
+    for (int h = 0; h < p.num_heads_q + p.num_heads_kv; ++h) {
+      const bool is_q = h < p.num_heads_q;
+      T* x = row + static_cast<int64_t>(h) * D;
+      load_float(x, head, D);
+      if (p.q_weight != nullptr) rms_normalize(head, is_q ? p.q_weight : p.k_weight, D, p.eps);
+      rope_row<T>(head, cos_sin, cos_sin + half, p.rot_dim, p.is_neox);
+      store_float(head, x, D);
+      if (!is_q && slot >= 0) {
+        const int kv_head = h - p.num_heads_q;
+        store_float(head, p.k_cache + slot * p.k_cache_strides[0] + kv_head * p.k_cache_strides[1], D);
+      }
+    }
+    if (slot >= 0) {
+      const T* v = row + static_cast<int64_t>(p.num_heads_q + p.num_heads_kv) * D;
+      for (int h = 0; h < p.num_heads_kv; ++h)
+        std::copy_n(v + static_cast<int64_t>(h) * D, D,
+                    p.v_cache + slot * p.v_cache_strides[0] + h * p.v_cache_strides[1]);
+    }
+  }
+}
+
+QSPEC_CPU_CLONES void qk_norm_rope_rows(const QKNormRopeParams<float>& p, int64_t b, int64_t e) {
+  qk_norm_rope_rows_impl(p, b, e);
+}
+QSPEC_CPU_CLONES void qk_norm_rope_rows(const QKNormRopeParams<c10::Half>& p, int64_t b, int64_t e) {
+  qk_norm_rope_rows_impl(p, b, e);
+}
+QSPEC_CPU_CLONES void qk_norm_rope_rows(const QKNormRopeParams<c10::BFloat16>& p, int64_t b, int64_t e) {
+  qk_norm_rope_rows_impl(p, b, e);
+}
+
+void check_cpu(std::string_view op, std::string_view name, const at::Tensor& t) {
+  QSPEC_CHECK(t.device().is_cpu(), op, name, "must be a CPU tensor for the CPU kernel, got ", t.device());
+}
+
+}  // namespace
+
+at::Tensor rms_norm_cpu(const at::Tensor& input, const at::Tensor& weight, double eps) {
+  constexpr std::string_view op = "rms_norm";
+  check_activation(op, "input", input);
+  const at::Tensor rows = as_rows(op, "input", input);
+  check_norm_weight(op, "weight", weight, rows.size(1), input);
+  at::Tensor out = at::empty(input.sizes(), input.options().memory_format(at::MemoryFormat::Contiguous));
+  if (input.numel() == 0) return out;
+  const std::vector<float> w = weight_as_float(weight);
+  QSPEC_DISPATCH_ACTIVATION(input.scalar_type(), "rms_norm_cpu", [&] {
+    const RowNormParams<scalar_t> p{rows.const_data_ptr<scalar_t>(), rows.stride(0), out.data_ptr<scalar_t>(),
+                                    rows.size(1), nullptr, 0, w.data(), rows.size(1), static_cast<float>(eps)};
+    at::parallel_for(0, rows.size(0), grain_for(rows.size(1)),
+                     [&](int64_t b, int64_t e) { rms_norm_rows(p, b, e); });
+  });
+  return out;
+}
+
+void fused_add_rms_norm_cpu(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  constexpr std::string_view op = "fused_add_rms_norm_";
+  check_activation(op, "input", input);
+  check_same_device(op, "residual", residual, input);
+  QSPEC_CHECK(residual.scalar_type() == input.scalar_type(), op, "residual", "must have the dtype of input (",
+              input.scalar_type(), "), got ", residual.scalar_type());
+  QSPEC_CHECK(residual.sizes() == input.sizes(), op, "residual", "must have the shape of input ", input.sizes(),
+              ", got ", residual.sizes());
+  const at::Tensor in_rows = as_rows(op, "input", input);
+  const at::Tensor res_rows = as_rows(op, "residual", residual);
+  check_norm_weight(op, "weight", weight, in_rows.size(1), input);
+  if (input.numel() == 0) return;
+  const std::vector<float> w = weight_as_float(weight);
+  QSPEC_DISPATCH_ACTIVATION(input.scalar_type(), "fused_add_rms_norm_cpu", [&] {
+    scalar_t* in = in_rows.data_ptr<scalar_t>();
+    const RowNormParams<scalar_t> p{in, in_rows.stride(0), in, in_rows.stride(0), res_rows.data_ptr<scalar_t>(),
+                                    res_rows.stride(0), w.data(), in_rows.size(1), static_cast<float>(eps)};
+    at::parallel_for(0, in_rows.size(0), grain_for(in_rows.size(1)),
+                     [&](int64_t b, int64_t e) { fused_add_rms_norm_rows(p, b, e); });
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> eagle3_input_norm_cpu(const at::Tensor& embeds, const at::Tensor& hidden,
+                                                         const at::Tensor& embed_weight,
+                                                         const at::Tensor& hidden_weight, double eps,
+                                                         bool norm_before_residual) {
+  check_eagle3_input_norm(embeds, hidden, embed_weight, hidden_weight);
+  const int64_t rows = embeds.size(0), width = embeds.size(1);
+  at::Tensor x = at::empty({rows, 2 * width}, embeds.options());
+  at::Tensor residual = at::empty({rows, width}, embeds.options());
+  if (rows == 0 || width == 0) return {x, residual};
+  const std::vector<float> we = weight_as_float(embed_weight), wh = weight_as_float(hidden_weight);
+  QSPEC_DISPATCH_ACTIVATION(embeds.scalar_type(), "eagle3_input_norm_cpu", [&] {
+    scalar_t* out = x.data_ptr<scalar_t>();
+    const float e = static_cast<float>(eps);
+    const RowNormParams<scalar_t> pe{embeds.const_data_ptr<scalar_t>(), embeds.stride(0), out, 2 * width,
+                                     nullptr, 0, we.data(), width, e};
+    const RowNormParams<scalar_t> ph{hidden.const_data_ptr<scalar_t>(), hidden.stride(0), out + width, 2 * width,
+                                     nullptr, 0, wh.data(), width, e};
+    at::parallel_for(0, rows, grain_for(2 * width), [&](int64_t b, int64_t end) {
+      rms_norm_rows(pe, b, end);
+      rms_norm_rows(ph, b, end);
+      const scalar_t* res_src = norm_before_residual ? out + width : hidden.const_data_ptr<scalar_t>();
+      const int64_t res_stride = norm_before_residual ? 2 * width : hidden.stride(0);
+      for (int64_t r = b; r < end; ++r)
+        std::copy_n(res_src + r * res_stride, width, residual.data_ptr<scalar_t>() + r * width);
+    });
+  });
+  return {x, residual};
+}
+
+void qk_norm_rope_cpu(at::Tensor& qkv, const std::optional<at::Tensor>& q_weight,
+                      const std::optional<at::Tensor>& k_weight, const at::Tensor& cos_sin_cache,
+                      const at::Tensor& positions, int64_t num_heads_q, int64_t num_heads_kv, int64_t head_dim,
+                      double eps, bool is_neox, const std::optional<at::Tensor>& k_cache,
+                      const std::optional<at::Tensor>& v_cache, const std::optional<at::Tensor>& slot_mapping) {
+  constexpr std::string_view op = "qk_norm_rope_";
+  check_cpu(op, "qkv", qkv);
+  const QKNormRopeShape s = check_qk_norm_rope(qkv, q_weight, k_weight, cos_sin_cache, positions, num_heads_q,
+                                               num_heads_kv, head_dim, k_cache, v_cache, slot_mapping);
+  check_index_range(op, "positions", positions, 0, s.max_position, "rows of cos_sin_cache");
+  if (s.has_cache) check_index_range(op, "slot_mapping", *slot_mapping, -1, s.num_slots, "cache slots, -1 = skip");
+  if (s.num_tokens == 0) return;
+  const std::vector<float> qw = s.has_norm ? weight_as_float(*q_weight) : std::vector<float>{};
+  const std::vector<float> kw = s.has_norm ? weight_as_float(*k_weight) : std::vector<float>{};
+  const bool cs_f32 = cos_sin_cache.scalar_type() == at::kFloat;
+  QSPEC_DISPATCH_ACTIVATION(qkv.scalar_type(), "qk_norm_rope_cpu", [&] {
+    QKNormRopeParams<scalar_t> p{};
+    p.qkv = qkv.data_ptr<scalar_t>();
+    p.qkv_stride = qkv.stride(0);
+    p.q_weight = s.has_norm ? qw.data() : nullptr;
+    p.k_weight = s.has_norm ? kw.data() : nullptr;
+    p.cos_sin_f32 = cs_f32 ? cos_sin_cache.const_data_ptr<float>() : nullptr;
+    p.cos_sin_t = cs_f32 ? nullptr : cos_sin_cache.const_data_ptr<scalar_t>();
+    p.positions = &positions;
+    if (s.has_cache) {
+      p.slot_mapping = &*slot_mapping;
+      p.k_cache = k_cache->data_ptr<scalar_t>();
+      p.v_cache = v_cache->data_ptr<scalar_t>();
+      p.k_cache_strides[0] = k_cache->stride(0);
+      p.k_cache_strides[1] = k_cache->stride(1);
+      p.v_cache_strides[0] = v_cache->stride(0);
+      p.v_cache_strides[1] = v_cache->stride(1);
+    }
+    p.num_heads_q = static_cast<int>(num_heads_q);
+    p.num_heads_kv = static_cast<int>(num_heads_kv);
+    p.head_dim = static_cast<int>(head_dim);
+    p.rot_dim = static_cast<int>(s.rot_dim);
+    p.eps = static_cast<float>(eps);
+    p.is_neox = is_neox;
+    at::parallel_for(0, s.num_tokens, grain_for((num_heads_q + 2 * num_heads_kv) * head_dim),
+                     [&](int64_t b, int64_t e) { qk_norm_rope_rows(p, b, e); });
+  });
+}
+
+TORCH_LIBRARY_IMPL(qspec_ext, CPU, m) {
+  m.impl("rms_norm", &rms_norm_cpu);
+  m.impl("fused_add_rms_norm_", &fused_add_rms_norm_cpu);
+  m.impl("eagle3_input_norm", &eagle3_input_norm_cpu);
+  m.impl("qk_norm_rope_", &qk_norm_rope_cpu);
+}
+
+}  // namespace qspec_ext

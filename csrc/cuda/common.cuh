@@ -1,0 +1,61 @@
+// Small CUDA helpers shared by the kernel files.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+
+#include <c10/macros/Macros.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+namespace qspec_ext::cuda {
+
+constexpr int kWarpSize = 32;
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// Sum over the block, returned to every thread. blockDim.x must be a multiple of 32.
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float partial[32];
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  v = warp_sum(v);
+  __syncthreads();  // partial[] may still be read by a previous call
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  const int num_warps = blockDim.x / kWarpSize;
+  v = lane < num_warps ? partial[lane] : 0.f;
+  return warp_sum(v);
+}
+
+// N consecutive elements moved with one memory access.
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+
+// A norm weight or cos/sin value stored either in fp32 or in the activation dtype T.
+template <typename T>
+__device__ __forceinline__ float load_mixed(const void* p, bool is_f32, int64_t i) {
+  return is_f32 ? static_cast<const float*>(p)[i] : static_cast<float>(static_cast<const T*>(p)[i]);
+}
+
+__device__ __forceinline__ int64_t load_index(const void* p, bool is_i64, int64_t i) {
+  return is_i64 ? static_cast<const int64_t*>(p)[i] : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
+}
+
+}  // namespace qspec_ext::cuda
+
+// A value check inside a kernel: print what was wrong, then fail the launch (the next
+// CUDA call raises "device-side assert triggered"). The caller returns right after, so
+// nothing is read or written out of bounds even where asserts are compiled out.
+#define QSPEC_DEVICE_CHECK(cond, fmt, ...)                \
+  do {                                                    \
+    if (C10_UNLIKELY(!(cond))) {                          \
+      printf("qspec_ext." fmt "\n", __VA_ARGS__);         \
+      CUDA_KERNEL_ASSERT_MSG(false, "qspec_ext: " #cond); \
+    }                                                     \
+  } while (0)

@@ -1,0 +1,10 @@
+// The Python module qspec_ext._C: importing it registers the ops (static initializers in
+// the other translation units) and exposes what this binary was built with.
+#include <pybind11/pybind11.h>
+
+PYBIND11_MODULE(_C, m) {
+  m.attr("version") = QSPEC_VERSION;
+  m.attr("with_cuda") = static_cast<bool>(QSPEC_WITH_CUDA);
+  m.attr("cuda_archs") = QSPEC_CUDA_ARCHS;
+  m.attr("built_with_torch") = QSPEC_TORCH_VERSION;
+}

@@ -1,0 +1,36 @@
+// Every C++ entry point of qspec_ext, one list. Schemas live in torch_bindings.cpp.
+#pragma once
+
+#include <optional>
+#include <tuple>
+
+#include <ATen/core/Tensor.h>
+
+namespace qspec_ext {
+
+// ---- norm_rope: the drafter / target attention prologue ----
+at::Tensor rms_norm_cpu(const at::Tensor& input, const at::Tensor& weight, double eps);
+void fused_add_rms_norm_cpu(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> eagle3_input_norm_cpu(const at::Tensor& embeds, const at::Tensor& hidden,
+                                                         const at::Tensor& embed_weight,
+                                                         const at::Tensor& hidden_weight, double eps,
+                                                         bool norm_before_residual);
+void qk_norm_rope_cpu(at::Tensor& qkv, const std::optional<at::Tensor>& q_weight,
+                      const std::optional<at::Tensor>& k_weight, const at::Tensor& cos_sin_cache,
+                      const at::Tensor& positions, int64_t num_heads_q, int64_t num_heads_kv, int64_t head_dim,
+                      double eps, bool is_neox, const std::optional<at::Tensor>& k_cache,
+                      const std::optional<at::Tensor>& v_cache, const std::optional<at::Tensor>& slot_mapping);
+
+at::Tensor rms_norm_cuda(const at::Tensor& input, const at::Tensor& weight, double eps);
+void fused_add_rms_norm_cuda(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> eagle3_input_norm_cuda(const at::Tensor& embeds, const at::Tensor& hidden,
+                                                          const at::Tensor& embed_weight,
+                                                          const at::Tensor& hidden_weight, double eps,
+                                                          bool norm_before_residual);
+void qk_norm_rope_cuda(at::Tensor& qkv, const std::optional<at::Tensor>& q_weight,
+                       const std::optional<at::Tensor>& k_weight, const at::Tensor& cos_sin_cache,
+                       const at::Tensor& positions, int64_t num_heads_q, int64_t num_heads_kv, int64_t head_dim,
+                       double eps, bool is_neox, const std::optional<at::Tensor>& k_cache,
+                       const std::optional<at::Tensor>& v_cache, const std::optional<at::Tensor>& slot_mapping);
+
+}  // namespace qspec_ext

@@ -1,0 +1,18 @@
+// The only place operator schemas are written. Kernels register in cpu/*.cpp and cuda/*.cu.
+#include <torch/library.h>
+
+TORCH_LIBRARY(qspec_ext, m) {
+  // out = RMSNorm(input) * weight over the last dim, computed in fp32.
+  m.def("rms_norm(Tensor input, Tensor weight, float eps) -> Tensor");
+  // residual += input; input = RMSNorm(residual) * weight, normalizing the fp32 sum.
+  m.def("fused_add_rms_norm_(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  // EAGLE-3 layer-0 input: (cat(RMSNorm(embeds), RMSNorm(hidden)), residual) in one pass.
+  m.def(
+      "eagle3_input_norm(Tensor embeds, Tensor hidden, Tensor embed_weight, Tensor hidden_weight, float eps, "
+      "bool norm_before_residual) -> (Tensor, Tensor)");
+  // In place on packed QKV: per-head RMSNorm of q and k, RoPE, optional KV-cache write.
+  m.def(
+      "qk_norm_rope_(Tensor(a!) qkv, Tensor? q_weight, Tensor? k_weight, Tensor cos_sin_cache, Tensor positions, "
+      "int num_heads_q, int num_heads_kv, int head_dim, float eps, bool is_neox, Tensor(b!)? k_cache=None, "
+      "Tensor(c!)? v_cache=None, Tensor? slot_mapping=None) -> ()");
+}

@@ -1,0 +1,36 @@
+"""qspec_ext: kernels for EAGLE-3 speculative decoding with Qwen3-architecture drafters.
+
+The custom ops live in ``torch.ops.qspec_ext``; :mod:`qspec_ext.ops` has a typed,
+documented wrapper for each, and :mod:`qspec_ext.reference` the pure-PyTorch spec.
+"""
+
+import torch
+
+from . import _C, ops, reference
+from .ops import eagle3_input_norm, fused_add_rms_norm_, qk_norm_rope_, rms_norm
+from .rope import rope_cos_sin_cache
+
+__version__ = _C.version
+
+__all__ = [
+    "build_info",
+    "eagle3_input_norm",
+    "fused_add_rms_norm_",
+    "ops",
+    "qk_norm_rope_",
+    "reference",
+    "rms_norm",
+    "rope_cos_sin_cache",
+]
+
+
+def build_info() -> dict:
+    """What this installation was built with: package version, torch versions, CUDA archs."""
+    return {
+        "version": _C.version,
+        "torch_version": torch.__version__,
+        "built_with_torch": _C.built_with_torch,
+        "cuda_kernels": _C.with_cuda,
+        "cuda_archs": [a for a in _C.cuda_archs.split(",") if a],
+        "cuda_available": torch.cuda.is_available(),
+    }

@@ -1,0 +1,84 @@
+"""Typed wrappers over ``torch.ops.qspec_ext`` and their fake (meta) kernels.
+
+Activations are fp32, fp16 or bf16; norm weights fp32 or the activation dtype; index
+tensors int32 or int64. Rows of 2-D inputs may be strided (last dim contiguous).
+Every op runs on CPU and, when built with CUDA, on CUDA (on the current stream).
+"""
+
+import torch
+
+_ops = torch.ops.qspec_ext
+
+
+def rms_norm(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``weight * (x * rsqrt(mean(x^2) + eps))`` over the last dim, in fp32; returns ``input``'s shape and dtype.
+
+    input: ``[..., H]``; weight: ``[H]``.
+    """
+    return _ops.rms_norm(input, weight, eps)
+
+
+def fused_add_rms_norm_(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> None:
+    """In place: ``residual += input``; ``input = RMSNorm(residual) * weight``.
+
+    The norm is taken of the fp32 sum, before it is rounded into ``residual``.
+    input, residual: ``[..., H]``, same dtype; weight: ``[H]``.
+    """
+    _ops.fused_add_rms_norm_(input, residual, weight, eps)
+
+
+def eagle3_input_norm(
+    embeds: torch.Tensor,
+    hidden: torch.Tensor,
+    embed_weight: torch.Tensor,
+    hidden_weight: torch.Tensor,
+    eps: float = 1e-6,
+    norm_before_residual: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The EAGLE-3 layer-0 input in one pass.
+
+    embeds, hidden: ``[T, H]``; weights ``[H]``. Returns ``x [T, 2H] = cat(RMSNorm(embeds), RMSNorm(hidden))``
+    and ``residual [T, H]``: the normalized hidden if ``norm_before_residual``, else a copy of ``hidden``.
+    """
+    return _ops.eagle3_input_norm(embeds, hidden, embed_weight, hidden_weight, eps, norm_before_residual)
+
+
+def qk_norm_rope_(
+    qkv: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    cos_sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+    num_heads_q: int,
+    num_heads_kv: int,
+    head_dim: int,
+    eps: float = 1e-6,
+    is_neox: bool = True,
+    k_cache: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
+) -> None:
+    """In place on the packed QKV projection ``[T, (Hq + 2 Hkv) * D]``.
+
+    Per q and k head: RMSNorm over ``head_dim`` with ``q_weight``/``k_weight`` ``[D]`` (skipped
+    when both are None), kept in fp32, then RoPE on the first ``rot`` dims from
+    ``cos_sin_cache [max_position, rot]`` (cos first half, sin second) at ``positions [T]``;
+    ``is_neox`` pairs i with i + rot/2, else 2i with 2i+1. V is untouched.
+    With ``k_cache``/``v_cache`` ``[num_slots, Hkv, D]`` and ``slot_mapping [T]``, the final K and V of
+    token t are also written at slot ``slot_mapping[t]`` (-1 skips the token).
+    """
+    _ops.qk_norm_rope_(
+        qkv, q_weight, k_weight, cos_sin_cache, positions, num_heads_q, num_heads_kv, head_dim, eps, is_neox,
+        k_cache, v_cache, slot_mapping,
+    )
+
+
+@torch.library.register_fake("qspec_ext::rms_norm")
+def _rms_norm_fake(input, weight, eps):
+    return torch.empty_like(input, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("qspec_ext::eagle3_input_norm")
+def _eagle3_input_norm_fake(embeds, hidden, embed_weight, hidden_weight, eps, norm_before_residual):
+    tokens, width = embeds.shape
+    return embeds.new_empty(tokens, 2 * width), embeds.new_empty(tokens, width)

@@ -1,0 +1,23 @@
+import pytest
+import torch
+
+import qspec_ext  # noqa: F401  (registers the ops)
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+# Kernel vs reference: both compute in fp32 and round once, so they differ by at most
+# about one unit in the last place of the output dtype.
+TOLERANCES = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
+}
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return request.param
+
+
+def assert_close(actual, expected, dtype=None):
+    torch.testing.assert_close(actual, expected, **TOLERANCES[dtype or expected.dtype])

@@ -1,0 +1,416 @@
+"""rms_norm, fused_add_rms_norm_, eagle3_input_norm and qk_norm_rope_ against the reference."""
+
+import itertools
+import os
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+
+import pytest
+import torch
+from conftest import DEVICES, assert_close
+
+import qspec_ext
+from qspec_ext import reference as ref
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def strided_rows(t: torch.Tensor, pad: int = 3) -> torch.Tensor:
+    """The same values in a wider buffer: rows strided, last dim contiguous."""
+    wide = torch.full((t.shape[0], t.shape[1] + pad), 7.0, dtype=t.dtype, device=t.device)
+    wide[:, : t.shape[1]] = t
+    return wide[:, : t.shape[1]]
+
+
+# ----------------------------------------------------------------------------- norms
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 64), (7, 4096), (257, 80), (3, 5, 128), (64,), (4, 5120)])
+@pytest.mark.parametrize("weight_f32", [False, True])
+def test_rms_norm(device, dtype, shape, weight_f32):
+    x = torch.randn(shape, dtype=dtype, device=device) * 3
+    w = torch.randn(shape[-1], dtype=torch.float32 if weight_f32 else dtype, device=device)
+    assert_close(qspec_ext.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_strided_rows(device, dtype):
+    x = strided_rows(torch.randn(33, 200, dtype=dtype, device=device))
+    w = torch.randn(200, dtype=dtype, device=device)
+    out = qspec_ext.rms_norm(x, w, 1e-5)
+    assert out.is_contiguous()
+    assert_close(out, ref.rms_norm(x, w, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 64), (7, 4096), (257, 96), (2, 3, 128)])
+@pytest.mark.parametrize("strided", [False, True])
+def test_fused_add_rms_norm(device, dtype, shape, strided):
+    x = torch.randn(shape, dtype=dtype, device=device)
+    r = torch.randn(shape, dtype=dtype, device=device)
+    if strided and len(shape) == 2:
+        x, r = strided_rows(x), strided_rows(r, pad=5)
+    w = torch.randn(shape[-1], dtype=torch.float32, device=device)
+    x_ref, r_ref = x.clone(), r.clone()
+    ref.fused_add_rms_norm_(x_ref, r_ref, w, 1e-6)
+    qspec_ext.fused_add_rms_norm_(x, r, w, 1e-6)
+    assert_close(r, r_ref)
+    assert_close(x, x_ref)
+
+
+def test_fused_add_rms_norm_normalizes_the_fp32_sum():
+    # Values whose bf16-rounded sum normalizes differently from the exact sum.
+    x = torch.tensor([[1.0, 1.0 / 256, 0.5, -0.25]], dtype=torch.bfloat16)
+    r = torch.tensor([[256.0, 1.0, 0.5, 0.25]], dtype=torch.bfloat16)
+    w = torch.ones(4)
+    expected_sum = x.float() + r.float()
+    qspec_ext.fused_add_rms_norm_(x, r, w, 1e-6)
+    exact = expected_sum * torch.rsqrt(expected_sum.pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert torch.equal(r, expected_sum.to(torch.bfloat16))
+    assert torch.equal(x, exact.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,hidden", [(1, 64), (7, 4096), (300, 72)])
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_eagle3_input_norm(device, dtype, tokens, hidden, norm_before_residual):
+    e = torch.randn(tokens, hidden, dtype=dtype, device=device)
+    h = strided_rows(torch.randn(tokens, hidden, dtype=dtype, device=device) * 4)
+    we = torch.randn(hidden, dtype=torch.float32, device=device)
+    wh = torch.randn(hidden, dtype=dtype, device=device)
+    x, res = qspec_ext.eagle3_input_norm(e, h, we, wh, 1e-6, norm_before_residual)
+    x_ref, res_ref = ref.eagle3_input_norm(e, h, we, wh, 1e-6, norm_before_residual)
+    assert x.shape == (tokens, 2 * hidden) and res.shape == (tokens, hidden)
+    assert_close(x, x_ref)
+    assert_close(res, res_ref)
+    if norm_before_residual:
+        assert torch.equal(res, x[:, hidden:])
+    else:
+        assert torch.equal(res, h)
+
+
+# ----------------------------------------------------------------------------- qk_norm_rope_
+
+
+@dataclass
+class RopeCase:
+    tokens: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    rot: int
+    dtype: torch.dtype
+    is_neox: bool
+    norm: bool = True
+    weight_f32: bool = False
+    cache_f32: bool = True
+    positions_i64: bool = True
+    strided: bool = False
+    kv_cache: bool = False
+
+    def __str__(self):
+        flags = [
+            f"T{self.tokens}", f"h{self.heads_q}x{self.heads_kv}", f"D{self.head_dim}", f"rot{self.rot}",
+            str(self.dtype).split(".")[-1], "neox" if self.is_neox else "gptj",
+        ]
+        flags += [name for name in ("weight_f32", "strided", "kv_cache") if getattr(self, name)]
+        flags += [] if self.norm else ["no_norm"]
+        flags += [] if self.cache_f32 else ["cos_sin_act"]
+        flags += [] if self.positions_i64 else ["pos_i32"]
+        return "-".join(flags)
+
+
+def rope_grid() -> list[RopeCase]:
+    """Every head_dim x dtype x pairing, with the other dimensions cycled through."""
+    cases = []
+    token_counts = itertools.cycle([1, 7, 257, 4096])
+    head_counts = itertools.cycle([(4, 1), (2, 2), (8, 2), (6, 3)])
+    for i, (head_dim, dtype, is_neox) in enumerate(
+        itertools.product([64, 80, 128, 256, 512], DTYPES, [True, False])
+    ):
+        tokens = next(token_counts)
+        heads_q, heads_kv = next(head_counts)
+        if tokens == 4096:
+            heads_q, heads_kv = 2, 1  # keep the big cases small
+        partial = i % 3 == 1
+        cases.append(
+            RopeCase(
+                tokens, heads_q, heads_kv, head_dim, head_dim // 2 if partial else head_dim, dtype, is_neox,
+                norm=i % 7 != 6, weight_f32=i % 4 < 2, cache_f32=i % 5 != 3, positions_i64=i % 2 == 0,
+                strided=i % 3 == 2, kv_cache=i % 2 == 1,
+            )
+        )
+    # The combinations the Qwen3 drafter uses, explicitly.
+    cases.append(RopeCase(16, 32, 8, 128, 128, torch.bfloat16, True, weight_f32=True, kv_cache=True))
+    cases.append(RopeCase(5, 16, 2, 64, 32, torch.bfloat16, True, weight_f32=True, strided=True, kv_cache=True))
+    return cases
+
+
+ROPE_CASES = rope_grid()
+
+
+def make_rope_inputs(case: RopeCase, device: str, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    width = (case.heads_q + 2 * case.heads_kv) * case.head_dim
+    qkv = (torch.randn(case.tokens, width, generator=g) * 2).to(case.dtype).to(device)
+    if case.strided:
+        qkv = strided_rows(qkv, pad=case.head_dim + 2)
+    wdt = torch.float32 if case.weight_f32 else case.dtype
+    q_w = (torch.rand(case.head_dim, generator=g) + 0.5).to(wdt).to(device) if case.norm else None
+    k_w = (torch.rand(case.head_dim, generator=g) + 0.5).to(wdt).to(device) if case.norm else None
+    max_pos = case.tokens + 50
+    cache = qspec_ext.rope_cos_sin_cache(max_pos, case.rot, theta=10000.0, device=device)
+    if not case.cache_f32:
+        cache = cache.to(case.dtype)
+    pdt = torch.int64 if case.positions_i64 else torch.int32
+    positions = torch.randint(0, max_pos, (case.tokens,), generator=g).to(pdt).to(device)
+    kv = {}
+    if case.kv_cache:
+        slots = case.tokens + 9
+        perm = torch.randperm(slots, generator=g)[: case.tokens]
+        perm[::3] = -1  # some tokens skip the cache write
+        kv = dict(
+            k_cache=torch.zeros(slots, case.heads_kv, case.head_dim, dtype=case.dtype, device=device),
+            v_cache=torch.zeros(slots, case.heads_kv, case.head_dim, dtype=case.dtype, device=device),
+            slot_mapping=perm.to(pdt).to(device),
+        )
+    args = (q_w, k_w, cache, positions, case.heads_q, case.heads_kv, case.head_dim, 1e-6, case.is_neox)
+    return qkv, args, kv
+
+
+def clone_kv(kv):
+    return {k: v.clone() for k, v in kv.items()}
+
+
+@pytest.mark.parametrize("case", ROPE_CASES, ids=str)
+def test_qk_norm_rope(device, case):
+    qkv, args, kv = make_rope_inputs(case, device)
+    expected, kv_expected = qkv.clone(), clone_kv(kv)
+    ref.qk_norm_rope_(expected, *args, **kv_expected)
+    v_before = qkv[:, (case.heads_q + case.heads_kv) * case.head_dim :].clone()
+    qspec_ext.qk_norm_rope_(qkv, *args, **kv)
+    assert_close(qkv, expected)
+    assert torch.equal(qkv[:, (case.heads_q + case.heads_kv) * case.head_dim :], v_before), "V must be untouched"
+    if case.kv_cache:
+        assert_close(kv["k_cache"], kv_expected["k_cache"])
+        assert torch.equal(kv["v_cache"], kv_expected["v_cache"])
+        written = kv["slot_mapping"][kv["slot_mapping"] >= 0].long()
+        untouched = torch.ones(kv["k_cache"].shape[0], dtype=torch.bool, device=device)
+        untouched[written] = False
+        assert torch.all(kv["k_cache"][untouched] == 0) and torch.all(kv["v_cache"][untouched] == 0)
+        # What went into the cache is exactly what the op left in qkv.
+        k_rows = qkv[:, case.heads_q * case.head_dim : (case.heads_q + case.heads_kv) * case.head_dim]
+        keep = kv["slot_mapping"] >= 0
+        assert torch.equal(kv["k_cache"][written].flatten(1), k_rows[keep])
+
+
+def test_qk_norm_rope_strided_rows_leave_padding_alone(device):
+    case = RopeCase(9, 4, 2, 64, 64, torch.bfloat16, True, strided=True)
+    qkv, args, _ = make_rope_inputs(case, device)
+    base = qkv.as_strided((qkv.shape[0], qkv.stride(0)), (qkv.stride(0), 1))
+    padding_before = base[:, qkv.shape[1] :].clone()
+    qspec_ext.qk_norm_rope_(qkv, *args)
+    assert torch.equal(base[:, qkv.shape[1] :], padding_before)
+
+
+def test_qk_norm_rope_keeps_fp32_between_norm_and_rope():
+    # bf16 activations: rounding the normalized value to bf16 before rotating would differ.
+    case = RopeCase(64, 4, 2, 128, 128, torch.bfloat16, True, weight_f32=True)
+    qkv, args, _ = make_rope_inputs(case, "cpu", seed=3)
+    expected = qkv.clone()
+    ref.qk_norm_rope_(expected, *args)
+    qspec_ext.qk_norm_rope_(qkv, *args)
+    mismatches = (qkv != expected).float().mean().item()
+    assert mismatches < 0.01, f"{mismatches:.2%} of elements differ from the fp32-throughout reference"
+
+
+def test_qk_norm_rope_matches_transformers_qwen3():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.qwen3 import modeling_qwen3 as hf
+
+    config = transformers.Qwen3Config(
+        hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0, max_position_embeddings=256,
+    )
+    torch.manual_seed(0)
+    tokens, D, hq, hkv = 11, 64, 4, 2
+    q_norm, k_norm = hf.Qwen3RMSNorm(D, eps=1e-6), hf.Qwen3RMSNorm(D, eps=1e-6)
+    with torch.no_grad():
+        q_norm.weight.uniform_(0.5, 1.5)
+        k_norm.weight.uniform_(0.5, 1.5)
+    rotary = hf.Qwen3RotaryEmbedding(config)
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * D)
+    positions = torch.arange(100, 100 + tokens)
+
+    q = q_norm(qkv[:, : hq * D].view(1, tokens, hq, D)).transpose(1, 2)
+    k = k_norm(qkv[:, hq * D : (hq + hkv) * D].view(1, tokens, hkv, D)).transpose(1, 2)
+    cos, sin = rotary(qkv, positions[None])
+    q_hf, k_hf = hf.apply_rotary_pos_emb(q, k, cos, sin)
+
+    cache = qspec_ext.rope_cos_sin_cache(256, D, theta=config.rope_parameters["rope_theta"])
+    ours = qkv.clone()
+    qspec_ext.qk_norm_rope_(ours, q_norm.weight, k_norm.weight, cache, positions, hq, hkv, D, 1e-6, True)
+    torch.testing.assert_close(ours[:, : hq * D], q_hf.transpose(1, 2).reshape(tokens, -1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        ours[:, hq * D : (hq + hkv) * D], k_hf.transpose(1, 2).reshape(tokens, -1), atol=1e-5, rtol=1e-5
+    )
+
+
+# ----------------------------------------------------------------------------- opcheck / compile
+
+OPCHECK_CASES = [c for i, c in enumerate(ROPE_CASES) if i % 5 == 0 and c.tokens <= 257]
+
+
+@pytest.mark.parametrize("case", OPCHECK_CASES, ids=str)
+def test_opcheck_qk_norm_rope(device, case):
+    qkv, args, kv = make_rope_inputs(case, device)
+    torch.library.opcheck(torch.ops.qspec_ext.qk_norm_rope_.default, (qkv, *args), kv)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_opcheck_norms(device, dtype):
+    x = torch.randn(5, 96, dtype=dtype, device=device)
+    r = torch.randn(5, 96, dtype=dtype, device=device)
+    w = torch.randn(96, device=device)
+    torch.library.opcheck(torch.ops.qspec_ext.rms_norm.default, (x, w, 1e-6))
+    torch.library.opcheck(torch.ops.qspec_ext.rms_norm.default, (x.view(5, 2, 48), w[:48], 1e-6))
+    torch.library.opcheck(torch.ops.qspec_ext.fused_add_rms_norm_.default, (x.clone(), r.clone(), w, 1e-6))
+    for nbr in (False, True):
+        torch.library.opcheck(torch.ops.qspec_ext.eagle3_input_norm.default, (x, r, w, w.to(dtype), 1e-6, nbr))
+
+
+def test_torch_compile_fullgraph_matches_eager(device):
+    case = RopeCase(9, 4, 2, 64, 64, torch.bfloat16, True, weight_f32=True, kv_cache=True)
+    qkv, args, kv = make_rope_inputs(case, device)
+    e = torch.randn(9, 128, dtype=torch.bfloat16, device=device)
+    w = torch.rand(128, device=device)
+
+    def prologue(qkv, e, h, k_cache, v_cache, slot_mapping):
+        x, residual = qspec_ext.eagle3_input_norm(e, h, w, w, 1e-6, True)
+        qspec_ext.fused_add_rms_norm_(h, residual, w, 1e-6)
+        qspec_ext.qk_norm_rope_(qkv, *args, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+        return qspec_ext.rms_norm(x, torch.ones(256, device=x.device), 1e-6), residual
+
+    inputs = lambda: (qkv.clone(), e.clone(), (e * 2).clone(), *clone_kv(kv).values())  # noqa: E731
+    eager_in, compiled_in = inputs(), inputs()
+    eager_out = prologue(*eager_in)
+    compiled_out = torch.compile(prologue, fullgraph=True)(*compiled_in)
+    for a, b in zip((*eager_out, *eager_in), (*compiled_out, *compiled_in)):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def good_rope_inputs(device="cpu"):
+    return make_rope_inputs(RopeCase(4, 4, 2, 64, 64, torch.float32, True, kv_cache=True), device)
+
+
+def call_rope(qkv_in, args, kv, **changes):
+    qkv = changes.pop("qkv", qkv_in)
+    names = ["q_weight", "k_weight", "cos_sin_cache", "positions", "num_heads_q", "num_heads_kv", "head_dim",
+             "eps", "is_neox"]
+    kwargs = dict(zip(names, args)) | kv | changes
+    qspec_ext.qk_norm_rope_(qkv, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda q, a, kv: dict(qkv=q[:, :-64]), r"'qkv' must have shape \[num_tokens, \(num_heads_q \+ 2 \* num_heads_kv\) \* head_dim\] = \[num_tokens, 512\], got \[4, 448\]"),
+        (lambda q, a, kv: dict(qkv=q[None]), r"'qkv' must have shape .* got \[1, 4, 512\]"),
+        (lambda q, a, kv: dict(num_heads_q=3), r"'num_heads_q' must be a multiple of num_heads_kv \(2\), got 3"),
+        (lambda q, a, kv: dict(head_dim=63), r"'head_dim' must be even and in \[2, 512\], got 63"),
+        (lambda q, a, kv: dict(head_dim=1024), r"'head_dim' must be even and in \[2, 512\], got 1024"),
+        (lambda q, a, kv: dict(num_heads_kv=0), r"'num_heads_q/num_heads_kv' must be positive, got 4 and 0"),
+        (lambda q, a, kv: dict(cos_sin_cache=a[2][:, :31]), r"'cos_sin_cache' must have an even rotary_dim .* got 31"),
+        (lambda q, a, kv: dict(cos_sin_cache=torch.zeros(8, 128)), r"'cos_sin_cache' must have an even rotary_dim \(size of dim 1\) in \[2, head_dim=64\], got 128"),
+        (lambda q, a, kv: dict(cos_sin_cache=a[2].double()), r"'cos_sin_cache' must be float32 or the dtype of qkv"),
+        (lambda q, a, kv: dict(qkv=q.double()), r"'qkv' must be float32, float16 or bfloat16, got Double"),
+        (lambda q, a, kv: dict(q_weight=a[0].half()), r"'q_weight' must be float32 or the activation dtype Float, got Half"),
+        (lambda q, a, kv: dict(k_weight=a[1][:32]), r"'k_weight' must have shape \[64\], got \[32\]"),
+        (lambda q, a, kv: dict(k_weight=None), r"'q_weight/k_weight' must both be given"),
+        (lambda q, a, kv: dict(positions=a[3][:2]), r"'positions' must have shape \[4\], got \[2\]"),
+        (lambda q, a, kv: dict(positions=a[3].float()), r"'positions' must be int32 or int64, got Float"),
+        (lambda q, a, kv: dict(positions=torch.tensor([0, 1, 54, 2])), r"'positions' must hold values in \[0, 54\) \(rows of cos_sin_cache\), got 54 at index 2"),
+        (lambda q, a, kv: dict(positions=torch.tensor([0, -1, 3, 2])), r"'positions' must hold values in \[0, 54\).* got -1 at index 1"),
+        (lambda q, a, kv: dict(slot_mapping=torch.tensor([0, 13, 1, 2])), r"'slot_mapping' must hold values in \[-1, 13\) \(cache slots, -1 = skip\), got 13 at index 1"),
+        (lambda q, a, kv: dict(k_cache=kv["k_cache"].half()), r"'k_cache' must have the dtype of qkv \(Float\), got Half"),
+        (lambda q, a, kv: dict(v_cache=kv["v_cache"][:, :1]), r"'v_cache' must have shape \[num_slots, 2, 64\], got \[13, 1, 64\]"),
+        (lambda q, a, kv: dict(v_cache=kv["v_cache"][:5]), r"'v_cache' must have as many slots as k_cache \(13\), got 5"),
+        (lambda q, a, kv: dict(slot_mapping=None), r"'k_cache/v_cache/slot_mapping' must all be given or all be None"),
+    ],
+)
+def test_qk_norm_rope_bad_input(change, message):
+    qkv, args, kv = good_rope_inputs()
+    before = qkv.clone()
+    with pytest.raises(RuntimeError, match=r"qspec_ext\.qk_norm_rope_: argument " + message):
+        call_rope(qkv, args, kv, **change(qkv, args, kv))
+    assert torch.equal(qkv, before), "a rejected call must not modify its inputs"
+
+
+def test_norm_bad_input():
+    x = torch.randn(4, 64)
+    with pytest.raises(RuntimeError, match=r"qspec_ext\.rms_norm: argument 'weight' must have shape \[64\], got \[32\]"):
+        qspec_ext.rms_norm(x, torch.ones(32))
+    with pytest.raises(RuntimeError, match=r"qspec_ext\.rms_norm: argument 'input' must have a contiguous last dimension"):
+        qspec_ext.rms_norm(x.t(), torch.ones(4))
+    with pytest.raises(RuntimeError, match=r"qspec_ext\.rms_norm: argument 'input' must be float32, float16 or bfloat16, got Int"):
+        qspec_ext.rms_norm(x.int(), torch.ones(64))
+    with pytest.raises(RuntimeError, match=r"qspec_ext\.rms_norm: argument 'input' must have rows with one common stride"):
+        qspec_ext.rms_norm(torch.randn(4, 6, 64)[:, ::2].transpose(0, 1), torch.ones(64))
+    with pytest.raises(RuntimeError, match=r"qspec_ext\.fused_add_rms_norm_: argument 'residual' must have the dtype of input \(Float\), got BFloat16"):
+        qspec_ext.fused_add_rms_norm_(x, x.bfloat16(), torch.ones(64))
+    with pytest.raises(RuntimeError, match=r"qspec_ext\.fused_add_rms_norm_: argument 'residual' must have the shape of input \[4, 64\], got \[4, 32\]"):
+        qspec_ext.fused_add_rms_norm_(x, x[:, :32].contiguous(), torch.ones(64))
+    with pytest.raises(RuntimeError, match=r"qspec_ext\.eagle3_input_norm: argument 'hidden' must have the shape of embeds \[4, 64\], got \[3, 64\]"):
+        qspec_ext.eagle3_input_norm(x, x[:3], torch.ones(64), torch.ones(64))
+    with pytest.raises(RuntimeError, match=r"qspec_ext\.eagle3_input_norm: argument 'hidden_weight' must be float32 or the activation dtype Float, got Half"):
+        qspec_ext.eagle3_input_norm(x, x, torch.ones(64), torch.ones(64).half())
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs a CUDA device")
+def test_device_mismatch_is_rejected():
+    qkv, args, kv = good_rope_inputs("cuda")
+    with pytest.raises(RuntimeError, match=r"qspec_ext\.qk_norm_rope_: argument 'positions' must be on cuda:0, got cpu"):
+        call_rope(qkv, args, kv, positions=args[3].cpu())
+    with pytest.raises(RuntimeError, match=r"qspec_ext\.rms_norm: argument 'weight' must be on cuda:0, got cpu"):
+        qspec_ext.rms_norm(qkv, torch.ones(qkv.shape[1]))
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs a CUDA device")
+@pytest.mark.parametrize("bad", ["positions", "slot_mapping"])
+def test_cuda_out_of_range_index_fails_loudly(bad):
+    # A device-side check kills the CUDA context, so it runs in a child process.
+    script = textwrap.dedent(f"""
+        import torch, qspec_ext
+        T, D = 4, 64
+        qkv = torch.randn(T, 8 * D, device="cuda")
+        cache = qspec_ext.rope_cos_sin_cache(16, D, device="cuda")
+        pos = torch.tensor([0, 1, 2, 3], device="cuda")
+        slots = torch.tensor([0, 1, 2, 3], device="cuda")
+        kc = torch.zeros(8, 2, D, device="cuda"); vc = torch.zeros(8, 2, D, device="cuda")
+        if "{bad}" == "positions": pos[2] = 99
+        else: slots[1] = 8
+        qspec_ext.qk_norm_rope_(qkv, None, None, cache, pos, 4, 2, D, 1e-6, True, kc, vc, slots)
+        torch.cuda.synchronize()
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=os.environ)
+    assert proc.returncode != 0
+    assert f"qspec_ext.qk_norm_rope_: {bad}[" in proc.stdout + proc.stderr
+
+
+def test_build_info():
+    info = qspec_ext.build_info()
+    assert info["version"] == qspec_ext.__version__
+    assert info["torch_version"] == torch.__version__
+    # QSPEC_CUDA=1 (as CI sets) demands the CUDA kernels, GPU or not.
+    if os.environ.get("QSPEC_CUDA") == "1":
+        assert info["cuda_kernels"] and info["cuda_archs"]
+    for op in ("rms_norm", "fused_add_rms_norm_", "eagle3_input_norm", "qk_norm_rope_"):
+        kernels = torch._C._dispatch_dump(f"qspec_ext::{op}")
+        assert "CPU: registered" in kernels
+        assert ("CUDA: registered" in kernels) == info["cuda_kernels"]
