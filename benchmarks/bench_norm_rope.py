@@ -8,6 +8,8 @@ Compares, in the same run, the fused op with the eager pure-PyTorch reference
 
 import argparse
 import sys
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from common import Row, add_common_args, compiled, report, time_fn
@@ -21,8 +23,25 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 OPS = ["qk_norm_rope_", "qk_norm_rope_+cache", "rms_norm", "fused_add_rms_norm_", "eagle3_input_norm"]
 
 
-def make_case(op: str, tokens: int, dtype: torch.dtype, device: str):
-    """(our call, reference call, bytes moved, checker) for one op and shape."""
+@dataclass
+class Case:
+    ours: Callable[[], object]  # our op on prepared inputs
+    bind: Callable[[Callable], Callable[[], object]]  # a reference implementation on its own inputs
+    reference: Callable  # the eager reference
+    bytes: int  # bytes the op must move at least
+    check: Callable[[], list]  # (ours, reference) output pairs on fresh inputs
+    to_compile: Callable | None = None  # what torch.compile gets, if not the reference
+
+
+def fused_add_rms_norm_functional(x, residual, weight, eps):
+    """The reference with outputs instead of in-place updates: inductor fails on the in-place form
+    (KeyError in the scheduler, torch 2.14), so the torch.compile baseline uses this one."""
+    x, residual = x.clone(), residual.clone()
+    ref.fused_add_rms_norm_(x, residual, weight, eps)
+    return x, residual
+
+
+def make_case(op: str, tokens: int, dtype: torch.dtype, device: str) -> Case:
     g = torch.Generator(device=device).manual_seed(0)
     rnd = lambda *shape: torch.randn(*shape, generator=g, device=device).to(dtype)  # noqa: E731
     w = torch.rand(HIDDEN, generator=g, device=device) + 0.5  # fp32 weights, as checkpoints keep them
@@ -54,7 +73,7 @@ def make_case(op: str, tokens: int, dtype: torch.dtype, device: str):
             ref.qk_norm_rope_(b, *args, **kb)
             return [(a, b)] + [(ka[k], kb[k]) for k in ("k_cache", "v_cache") if k in ka]
 
-        return (
+        return Case(
             lambda: qspec_ext.qk_norm_rope_(ours_qkv, *args, **ours_kv),
             lambda fn: (lambda: fn(ref_qkv, *args, **ref_kv)),
             ref.qk_norm_rope_,
@@ -63,7 +82,7 @@ def make_case(op: str, tokens: int, dtype: torch.dtype, device: str):
         )
     x, r = rnd(tokens, HIDDEN), rnd(tokens, HIDDEN)
     if op == "rms_norm":
-        return (
+        return Case(
             lambda: qspec_ext.rms_norm(x, w, 1e-6), lambda fn: (lambda: fn(x, w, 1e-6)), ref.rms_norm,
             2 * tokens * HIDDEN * elt, lambda: [(qspec_ext.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6))],
         )
@@ -76,13 +95,13 @@ def make_case(op: str, tokens: int, dtype: torch.dtype, device: str):
             ref.fused_add_rms_norm_(b, rb, w, 1e-6)
             return [(a, b), (ra, rb)]
 
-        return (
+        return Case(
             lambda: qspec_ext.fused_add_rms_norm_(xo, ro, w, 1e-6), lambda fn: (lambda: fn(xr, rr, w, 1e-6)),
-            ref.fused_add_rms_norm_, 4 * tokens * HIDDEN * elt, check,
+            ref.fused_add_rms_norm_, 4 * tokens * HIDDEN * elt, check, to_compile=fused_add_rms_norm_functional,
         )
     if op == "eagle3_input_norm":
         call = lambda f: f(x, r, w, w, 1e-6, True)  # noqa: E731
-        return (
+        return Case(
             lambda: call(qspec_ext.eagle3_input_norm), lambda fn: (lambda: call(fn)), ref.eagle3_input_norm,
             5 * tokens * HIDDEN * elt, lambda: list(zip(call(qspec_ext.eagle3_input_norm), call(ref.eagle3_input_norm))),
         )
@@ -102,16 +121,17 @@ def main() -> int:
         for dtype_name in args.dtypes:
             dtype = DTYPES[dtype_name]
             for tokens in args.tokens:
-                ours, bind, reference, moved, check = make_case(op, tokens, dtype, args.device)
+                case = make_case(op, tokens, dtype, args.device)
                 if args.check:
-                    for a, b in check():
+                    for a, b in case.check():
                         if not torch.allclose(a.float(), b.float(), atol=tolerance[dtype], rtol=tolerance[dtype]):
                             failures += 1
                             print(f"CHECK FAILED: {op} {dtype_name} T={tokens}: max diff {(a.float() - b.float()).abs().max():.3g}")
-                row = Row(op, dtype_name, f"T={tokens}", moved, time_fn(ours, args.device, args.min_time))
-                row.baselines["eager"] = time_fn(bind(reference), args.device, args.min_time)
+                row = Row(op, dtype_name, f"T={tokens}", case.bytes, time_fn(case.ours, args.device, args.min_time))
+                row.baselines["eager"] = time_fn(case.bind(case.reference), args.device, args.min_time)
                 if not args.no_compile:
-                    row.baselines["compile"] = time_fn(bind(compiled(reference)), args.device, args.min_time)
+                    to_compile = compiled(case.to_compile or case.reference)
+                    row.baselines["compile"] = time_fn(case.bind(to_compile), args.device, args.min_time)
                 rows.append(row)
                 print(f"  {op} {dtype_name} T={tokens}: {row.ours.median_us:.1f} us", file=sys.stderr, flush=True)
     report("qspec_ext norm / RoPE prologue (Qwen3-8B: H 4096, 32/8 heads, D 128)", rows, args.device, args.json)

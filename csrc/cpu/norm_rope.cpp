@@ -37,6 +37,8 @@ QSPEC_INLINE void store_float(const float* __restrict__ src, T* __restrict__ dst
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
 }
 
+// Sum of squares with 16 independent partial sums, so the loop vectorizes without
+// reassociating one serial float sum.
 QSPEC_INLINE float sum_squares(const float* __restrict__ x, int64_t n) {
   float acc[16] = {};
   int64_t i = 0;
@@ -48,7 +50,15 @@ QSPEC_INLINE float sum_squares(const float* __restrict__ x, int64_t n) {
   return total;
 }
 
-// x = x * rms_inv(x) * weight, in place on an fp32 row.
+// dst = RMSNorm(x) * weight from an fp32 row, converted to T on the way out.
+template <typename T>
+QSPEC_INLINE void store_normalized(const float* __restrict__ x, const float* __restrict__ weight, T* __restrict__ dst,
+                                   int64_t n, float eps) {
+  const float inv = rms_inv(sum_squares(x, n), static_cast<int>(n), eps);
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(x[i] * inv * weight[i]);
+}
+
+// x = RMSNorm(x) * weight, in place on an fp32 row.
 QSPEC_INLINE void rms_normalize(float* __restrict__ x, const float* __restrict__ weight, int64_t n, float eps) {
   const float inv = rms_inv(sum_squares(x, n), static_cast<int>(n), eps);
   for (int64_t i = 0; i < n; ++i) x[i] = x[i] * inv * weight[i];
@@ -97,8 +107,7 @@ QSPEC_INLINE void rms_norm_rows_impl(const RowNormParams<T>& p, int64_t begin, i
   std::vector<float> row(p.width);
   for (int64_t r = begin; r < end; ++r) {
     load_float(p.input + r * p.input_stride, row.data(), p.width);
-    rms_normalize(row.data(), p.weight, p.width, p.eps);
-    store_float(row.data(), p.out + r * p.out_stride, p.width);
+    store_normalized(row.data(), p.weight, p.out + r * p.out_stride, p.width, p.eps);
   }
 }
 
@@ -111,8 +120,7 @@ QSPEC_INLINE void fused_add_rms_norm_rows_impl(const RowNormParams<T>& p, int64_
     load_float(residual, res.data(), p.width);
     for (int64_t i = 0; i < p.width; ++i) row[i] += res[i];
     store_float(row.data(), residual, p.width);
-    rms_normalize(row.data(), p.weight, p.width, p.eps);  // the fp32 sum, not its rounding
-    store_float(row.data(), p.out + r * p.out_stride, p.width);
+    store_normalized(row.data(), p.weight, p.out + r * p.out_stride, p.width, p.eps);  // the fp32 sum
   }
 }
 
