@@ -125,6 +125,86 @@ QKNormRopeShape check_qk_norm_rope(const at::Tensor& qkv, const std::optional<at
   return s;
 }
 
+static AuxNormMode parse_aux_norm_mode(std::string_view op, std::string_view mode) {
+  if (mode == "none") return AuxNormMode::kNone;
+  if (mode == "fc_norm") return AuxNormMode::kFcNorm;
+  if (mode == "norm_before_fc") return AuxNormMode::kNormBeforeFc;
+  QSPEC_CHECK(false, op, "norm_mode", "must be \"none\", \"fc_norm\" or \"norm_before_fc\", got \"", mode, "\"");
+  return AuxNormMode::kNone;
+}
+
+AuxGatherShape check_gather_aux_hidden(std::string_view op, at::TensorList aux, const at::Tensor& indices,
+                                       const std::optional<at::TensorList>& residual, std::string_view norm_mode,
+                                       const std::optional<at::Tensor>& norm_weight) {
+  AuxGatherShape s{};
+  QSPEC_CHECK(!aux.empty() && aux.size() <= static_cast<size_t>(kMaxAuxLayers), op, "aux",
+              "must hold 1 to ", kMaxAuxLayers, " tensors, got ", aux.size());
+  const at::Tensor& first = aux[0];
+  check_activation(op, "aux[0]", first);
+  QSPEC_CHECK(first.dim() == 2, op, "aux[0]", "must have shape [num_tokens, hidden_size], got ", first.sizes());
+  s.num_aux = static_cast<int>(aux.size());
+  s.num_source = first.size(0);
+  s.hidden = first.size(1);
+  auto check_list = [&](at::TensorList list, std::string_view list_name) {
+    for (size_t i = 0; i < list.size(); ++i) {
+      const std::string name = std::string(list_name) + "[" + std::to_string(i) + "]";
+      check_same_device(op, name, list[i], first);
+      QSPEC_CHECK(list[i].scalar_type() == first.scalar_type(), op, name, "must have the dtype of aux[0] (",
+                  first.scalar_type(), "), got ", list[i].scalar_type());
+      QSPEC_CHECK(list[i].sizes() == first.sizes(), op, name, "must have the shape of aux[0] ", first.sizes(),
+                  ", got ", list[i].sizes());
+      QSPEC_CHECK(list[i].stride(1) == 1 || s.hidden <= 1, op, name,
+                  "must have a contiguous last dimension, got strides ", list[i].strides());
+    }
+  };
+  check_list(aux, "aux");
+  s.has_residual = residual.has_value();
+  if (s.has_residual) {
+    QSPEC_CHECK(residual->size() == aux.size(), op, "residual", "must hold one tensor per aux tensor (",
+                aux.size(), "), got ", residual->size());
+    check_list(*residual, "residual");
+  }
+  check_same_device(op, "indices", indices, first);
+  QSPEC_CHECK(indices.scalar_type() == at::kInt || indices.scalar_type() == at::kLong, op, "indices",
+              "must be int32 or int64, got ", indices.scalar_type());
+  QSPEC_CHECK(indices.dim() == 1, op, "indices", "must have shape [num_rows], got ", indices.sizes());
+  QSPEC_CHECK(indices.is_contiguous(), op, "indices", "must be contiguous, got strides ", indices.strides());
+  s.num_rows = indices.size(0);
+
+  s.mode = parse_aux_norm_mode(op, norm_mode);
+  if (s.mode == AuxNormMode::kNone) {
+    QSPEC_CHECK(!norm_weight.has_value(), op, "norm_weight", "must be None for norm_mode \"none\"");
+  } else {
+    QSPEC_CHECK(norm_weight.has_value(), op, "norm_weight", "is required for norm_mode \"", norm_mode, "\"");
+    const at::Tensor& w = *norm_weight;
+    check_same_device(op, "norm_weight", w, first);
+    QSPEC_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == first.scalar_type(), op, "norm_weight",
+                "must be float32 or the activation dtype ", first.scalar_type(), ", got ", w.scalar_type());
+    QSPEC_CHECK(w.is_contiguous(), op, "norm_weight", "must be contiguous, got strides ", w.strides());
+    if (s.mode == AuxNormMode::kFcNorm) {
+      QSPEC_CHECK(w.dim() == 2 && w.size(0) == s.num_aux && w.size(1) == s.hidden, op, "norm_weight",
+                  "must have shape [n, hidden_size] = [", s.num_aux, ", ", s.hidden,
+                  "] for norm_mode \"fc_norm\", got ", w.sizes());
+    } else {
+      QSPEC_CHECK(w.dim() == 1 && w.size(0) == s.num_aux * s.hidden, op, "norm_weight",
+                  "must have shape [n * hidden_size] = [", s.num_aux * s.hidden,
+                  "] for norm_mode \"norm_before_fc\", got ", w.sizes());
+    }
+  }
+  return s;
+}
+
+void check_gather_out(const at::Tensor& out, const AuxGatherShape& shape, const at::Tensor& aux0) {
+  constexpr std::string_view op = "gather_aux_hidden_out";
+  check_same_device(op, "out", out, aux0);
+  QSPEC_CHECK(out.scalar_type() == aux0.scalar_type(), op, "out", "must have the dtype of aux (",
+              aux0.scalar_type(), "), got ", out.scalar_type());
+  QSPEC_CHECK(out.dim() == 2 && out.size(0) == shape.num_rows && out.size(1) == shape.num_aux * shape.hidden, op,
+              "out", "must have shape [num_rows, n * hidden_size] = [", shape.num_rows, ", ",
+              shape.num_aux * shape.hidden, "], got ", out.sizes());
+  QSPEC_CHECK(out.stride(1) == 1, op, "out", "must have a contiguous last dimension, got strides ", out.strides());
+}
+
 void check_eagle3_input_norm(const at::Tensor& embeds, const at::Tensor& hidden, const at::Tensor& embed_weight,
                              const at::Tensor& hidden_weight) {
   constexpr std::string_view op = "eagle3_input_norm";

@@ -9,6 +9,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include "qspec_ext/aux_gather.h"
+
 #define QSPEC_CHECK(cond, op, arg, ...) \
   TORCH_CHECK(cond, "qspec_ext.", op, ": argument '", arg, "' ", __VA_ARGS__)
 
@@ -51,6 +53,22 @@ QKNormRopeShape check_qk_norm_rope(const at::Tensor& qkv, const std::optional<at
                                    int64_t head_dim, const std::optional<at::Tensor>& k_cache,
                                    const std::optional<at::Tensor>& v_cache,
                                    const std::optional<at::Tensor>& slot_mapping);
+
+// Shapes of one gather_aux_hidden call, validated.
+struct AuxGatherShape {
+  int64_t num_rows;    // N
+  int64_t num_source;  // T
+  int64_t hidden;      // H
+  int num_aux;         // n
+  AuxNormMode mode;
+  bool has_residual;
+};
+
+AuxGatherShape check_gather_aux_hidden(std::string_view op, at::TensorList aux, const at::Tensor& indices,
+                                       const std::optional<at::TensorList>& residual, std::string_view norm_mode,
+                                       const std::optional<at::Tensor>& norm_weight);
+// The out= buffer of gather_aux_hidden_out: [N, n*H], the dtype of aux, last dim contiguous.
+void check_gather_out(const at::Tensor& out, const AuxGatherShape& shape, const at::Tensor& aux0);
 
 void check_eagle3_input_norm(const at::Tensor& embeds, const at::Tensor& hidden, const at::Tensor& embed_weight,
                              const at::Tensor& hidden_weight);

@@ -5,6 +5,7 @@
 #include <tuple>
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/string_view.h>
 
 namespace qspec_ext {
 
@@ -32,5 +33,19 @@ void qk_norm_rope_cuda(at::Tensor& qkv, const std::optional<at::Tensor>& q_weigh
                        const at::Tensor& positions, int64_t num_heads_q, int64_t num_heads_kv, int64_t head_dim,
                        double eps, bool is_neox, const std::optional<at::Tensor>& k_cache,
                        const std::optional<at::Tensor>& v_cache, const std::optional<at::Tensor>& slot_mapping);
+
+// ---- aux_gather: target features into the drafter's fc input ----
+at::Tensor gather_aux_hidden_cpu(at::TensorList aux, const at::Tensor& indices,
+                                 std::optional<at::TensorList> residual, c10::string_view norm_mode,
+                                 const std::optional<at::Tensor>& norm_weight, double eps);
+void gather_aux_hidden_out_cpu(at::TensorList aux, const at::Tensor& indices, std::optional<at::TensorList> residual,
+                               c10::string_view norm_mode, const std::optional<at::Tensor>& norm_weight, double eps,
+                               at::Tensor& out);
+at::Tensor gather_aux_hidden_cuda(at::TensorList aux, const at::Tensor& indices,
+                                  std::optional<at::TensorList> residual, c10::string_view norm_mode,
+                                  const std::optional<at::Tensor>& norm_weight, double eps);
+void gather_aux_hidden_out_cuda(at::TensorList aux, const at::Tensor& indices,
+                                std::optional<at::TensorList> residual, c10::string_view norm_mode,
+                                const std::optional<at::Tensor>& norm_weight, double eps, at::Tensor& out);
 
 }  // namespace qspec_ext

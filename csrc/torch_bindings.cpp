@@ -15,4 +15,13 @@ TORCH_LIBRARY(qspec_ext, m) {
       "qk_norm_rope_(Tensor(a!) qkv, Tensor? q_weight, Tensor? k_weight, Tensor cos_sin_cache, Tensor positions, "
       "int num_heads_q, int num_heads_kv, int head_dim, float eps, bool is_neox, Tensor(b!)? k_cache=None, "
       "Tensor(c!)? v_cache=None, Tensor? slot_mapping=None) -> ()");
+
+  // Drafter fc input: row j = concat_i(aux[i][indices[j]] (+ residual[i][...])), normalized per norm_mode.
+  m.def(
+      "gather_aux_hidden(Tensor[] aux, Tensor indices, Tensor[]? residual, str norm_mode, Tensor? norm_weight, "
+      "float eps) -> Tensor");
+  // gather_aux_hidden into a preallocated [N, n*H] buffer.
+  m.def(
+      "gather_aux_hidden_out(Tensor[] aux, Tensor indices, Tensor[]? residual, str norm_mode, Tensor? norm_weight, "
+      "float eps, Tensor(a!) out) -> ()");
 }

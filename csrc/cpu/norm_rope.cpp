@@ -1,89 +1,18 @@
 // CPU kernels of the norm / RoPE family: parallel over rows (tokens) with at::parallel_for,
-// vectorized by the compiler over fp32 scratch rows. Each row kernel is compiled for
-// AVX-512, AVX2 and baseline x86-64 and picked at load time (target_clones).
-#include <algorithm>
+// vectorized by the compiler over fp32 scratch rows.
 #include <vector>
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#include "checks.h"
+#include "cpu_common.h"
 #include "ops.h"
-#include "qspec_ext/norm_rope.h"
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define QSPEC_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define QSPEC_CPU_CLONES
-#endif
-#define QSPEC_INLINE inline __attribute__((always_inline))
 
 namespace qspec_ext {
 namespace {
 
-// Rows per parallel task: enough work (about 64K elements) to pay for a thread.
-int64_t grain_for(int64_t elements_per_row) {
-  return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(elements_per_row, 1));
-}
-
-template <typename T>
-QSPEC_INLINE void load_float(const T* __restrict__ src, float* __restrict__ dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
-template <typename T>
-QSPEC_INLINE void store_float(const float* __restrict__ src, T* __restrict__ dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
-}
-
-// Sum of squares with 16 independent partial sums, so the loop vectorizes without
-// reassociating one serial float sum.
-QSPEC_INLINE float sum_squares(const float* __restrict__ x, int64_t n) {
-  float acc[16] = {};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int j = 0; j < 16; ++j) acc[j] += x[i + j] * x[i + j];
-  float total = 0.f;
-  for (; i < n; ++i) total += x[i] * x[i];
-  for (int j = 0; j < 16; ++j) total += acc[j];
-  return total;
-}
-
-// dst = RMSNorm(x) * weight from an fp32 row, converted to T on the way out.
-template <typename T>
-QSPEC_INLINE void store_normalized(const float* __restrict__ x, const float* __restrict__ weight, T* __restrict__ dst,
-                                   int64_t n, float eps) {
-  const float inv = rms_inv(sum_squares(x, n), static_cast<int>(n), eps);
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(x[i] * inv * weight[i]);
-}
-
-// x = RMSNorm(x) * weight, in place on an fp32 row.
-QSPEC_INLINE void rms_normalize(float* __restrict__ x, const float* __restrict__ weight, int64_t n, float eps) {
-  const float inv = rms_inv(sum_squares(x, n), static_cast<int>(n), eps);
-  for (int64_t i = 0; i < n; ++i) x[i] = x[i] * inv * weight[i];
-}
-
-// A norm weight as fp32 (weights may be stored in fp32 or the activation dtype).
-std::vector<float> weight_as_float(const at::Tensor& weight) {
-  const at::Tensor w = weight.to(at::kFloat).contiguous();
-  return std::vector<float>(w.data_ptr<float>(), w.data_ptr<float>() + w.numel());
-}
-
-int64_t read_index(const at::Tensor& t, int64_t i) {
-  return t.scalar_type() == at::kInt ? static_cast<int64_t>(t.const_data_ptr<int32_t>()[i])
-                                     : t.const_data_ptr<int64_t>()[i];
-}
-
-// Value checks done before any write, so a bad call leaves its outputs untouched.
-void check_index_range(std::string_view op, std::string_view name, const at::Tensor& t, int64_t lo, int64_t hi,
-                       std::string_view what) {
-  for (int64_t i = 0; i < t.numel(); ++i) {
-    const int64_t v = read_index(t, i);
-    QSPEC_CHECK(v >= lo && v < hi, op, name, "must hold values in [", lo, ", ", hi, ") (", what, "), got ", v,
-                " at index ", i);
-  }
-}
+using namespace cpu;
 
 // ---------------------------------------------------------------------------------------
 // rms_norm / fused_add_rms_norm_ / eagle3_input_norm
@@ -237,10 +166,10 @@ at::Tensor rms_norm_cpu(const at::Tensor& input, const at::Tensor& weight, doubl
   check_norm_weight(op, "weight", weight, rows.size(1), input);
   at::Tensor out = at::empty(input.sizes(), input.options().memory_format(at::MemoryFormat::Contiguous));
   if (input.numel() == 0) return out;
-  const std::vector<float> w = weight_as_float(weight);
+  const at::Tensor w = weight_as_float(weight);
   QSPEC_DISPATCH_ACTIVATION(input.scalar_type(), "rms_norm_cpu", [&] {
     const RowNormParams<scalar_t> p{rows.const_data_ptr<scalar_t>(), rows.stride(0), out.data_ptr<scalar_t>(),
-                                    rows.size(1), nullptr, 0, w.data(), rows.size(1), static_cast<float>(eps)};
+                                    rows.size(1), nullptr, 0, w.const_data_ptr<float>(), rows.size(1), static_cast<float>(eps)};
     at::parallel_for(0, rows.size(0), grain_for(rows.size(1)),
                      [&](int64_t b, int64_t e) { rms_norm_rows(p, b, e); });
   });
@@ -259,11 +188,11 @@ void fused_add_rms_norm_cpu(at::Tensor& input, at::Tensor& residual, const at::T
   const at::Tensor res_rows = as_rows(op, "residual", residual);
   check_norm_weight(op, "weight", weight, in_rows.size(1), input);
   if (input.numel() == 0) return;
-  const std::vector<float> w = weight_as_float(weight);
+  const at::Tensor w = weight_as_float(weight);
   QSPEC_DISPATCH_ACTIVATION(input.scalar_type(), "fused_add_rms_norm_cpu", [&] {
     scalar_t* in = in_rows.data_ptr<scalar_t>();
     const RowNormParams<scalar_t> p{in, in_rows.stride(0), in, in_rows.stride(0), res_rows.data_ptr<scalar_t>(),
-                                    res_rows.stride(0), w.data(), in_rows.size(1), static_cast<float>(eps)};
+                                    res_rows.stride(0), w.const_data_ptr<float>(), in_rows.size(1), static_cast<float>(eps)};
     at::parallel_for(0, in_rows.size(0), grain_for(in_rows.size(1)),
                      [&](int64_t b, int64_t e) { fused_add_rms_norm_rows(p, b, e); });
   });
@@ -278,14 +207,14 @@ std::tuple<at::Tensor, at::Tensor> eagle3_input_norm_cpu(const at::Tensor& embed
   at::Tensor x = at::empty({rows, 2 * width}, embeds.options());
   at::Tensor residual = at::empty({rows, width}, embeds.options());
   if (rows == 0 || width == 0) return {x, residual};
-  const std::vector<float> we = weight_as_float(embed_weight), wh = weight_as_float(hidden_weight);
+  const at::Tensor we = weight_as_float(embed_weight), wh = weight_as_float(hidden_weight);
   QSPEC_DISPATCH_ACTIVATION(embeds.scalar_type(), "eagle3_input_norm_cpu", [&] {
     scalar_t* out = x.data_ptr<scalar_t>();
     const float e = static_cast<float>(eps);
     const RowNormParams<scalar_t> pe{embeds.const_data_ptr<scalar_t>(), embeds.stride(0), out, 2 * width,
-                                     nullptr, 0, we.data(), width, e};
+                                     nullptr, 0, we.const_data_ptr<float>(), width, e};
     const RowNormParams<scalar_t> ph{hidden.const_data_ptr<scalar_t>(), hidden.stride(0), out + width, 2 * width,
-                                     nullptr, 0, wh.data(), width, e};
+                                     nullptr, 0, wh.const_data_ptr<float>(), width, e};
     at::parallel_for(0, rows, grain_for(2 * width), [&](int64_t b, int64_t end) {
       rms_norm_rows(pe, b, end);
       rms_norm_rows(ph, b, end);
@@ -310,15 +239,15 @@ void qk_norm_rope_cpu(at::Tensor& qkv, const std::optional<at::Tensor>& q_weight
   check_index_range(op, "positions", positions, 0, s.max_position, "rows of cos_sin_cache");
   if (s.has_cache) check_index_range(op, "slot_mapping", *slot_mapping, -1, s.num_slots, "cache slots, -1 = skip");
   if (s.num_tokens == 0) return;
-  const std::vector<float> qw = s.has_norm ? weight_as_float(*q_weight) : std::vector<float>{};
-  const std::vector<float> kw = s.has_norm ? weight_as_float(*k_weight) : std::vector<float>{};
+  const at::Tensor qw = s.has_norm ? weight_as_float(*q_weight) : at::Tensor();
+  const at::Tensor kw = s.has_norm ? weight_as_float(*k_weight) : at::Tensor();
   const bool cs_f32 = cos_sin_cache.scalar_type() == at::kFloat;
   QSPEC_DISPATCH_ACTIVATION(qkv.scalar_type(), "qk_norm_rope_cpu", [&] {
     QKNormRopeParams<scalar_t> p{};
     p.qkv = qkv.data_ptr<scalar_t>();
     p.qkv_stride = qkv.stride(0);
-    p.q_weight = s.has_norm ? qw.data() : nullptr;
-    p.k_weight = s.has_norm ? kw.data() : nullptr;
+    p.q_weight = s.has_norm ? qw.const_data_ptr<float>() : nullptr;
+    p.k_weight = s.has_norm ? kw.const_data_ptr<float>() : nullptr;
     p.cos_sin_f32 = cs_f32 ? cos_sin_cache.const_data_ptr<float>() : nullptr;
     p.cos_sin_t = cs_f32 ? nullptr : cos_sin_cache.const_data_ptr<scalar_t>();
     p.positions = &positions;

@@ -1,8 +1,12 @@
 // Small CUDA helpers shared by the kernel files.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <type_traits>
+#include <utility>
+#include <vector>
 
 #include <c10/macros/Macros.h>
 #include <c10/util/BFloat16.h>
@@ -45,6 +49,41 @@ __device__ __forceinline__ float load_mixed(const void* p, bool is_f32, int64_t 
 
 __device__ __forceinline__ int64_t load_index(const void* p, bool is_i64, int64_t i) {
   return is_i64 ? static_cast<const int64_t*>(p)[i] : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
+}
+
+// A row base pointer and its row stride (in elements), for alignment decisions.
+using RowPtr = std::pair<const void*, int64_t>;
+
+// Largest number of elements per access (up to 16 bytes) that divides the width and
+// keeps every row start of every operand aligned.
+template <typename T>
+int pick_vec(int64_t width, const std::vector<RowPtr>& rows) {
+  int vec = 16 / static_cast<int>(sizeof(T));
+  auto fits = [&](int v) {
+    if (width % v != 0) return false;
+    for (const auto& [ptr, stride] : rows)
+      if (reinterpret_cast<uintptr_t>(ptr) % (v * sizeof(T)) != 0 || stride % v != 0) return false;
+    return true;
+  };
+  while (vec > 1 && !fits(vec)) vec /= 2;
+  return vec;
+}
+
+// Calls launch(std::integral_constant<int, VEC>) for the runtime vec.
+template <typename T, typename Launch>
+void with_vec(int vec, Launch&& launch) {
+  if constexpr (sizeof(T) == 2) {
+    if (vec == 8) return launch(std::integral_constant<int, 8>{});
+  }
+  if (vec >= 4) return launch(std::integral_constant<int, 4>{});
+  if (vec == 2) return launch(std::integral_constant<int, 2>{});
+  launch(std::integral_constant<int, 1>{});
+}
+
+// Threads for a one-block-per-row kernel: enough for one pass over the row, 32..256.
+inline int row_threads(int64_t width, int vec) {
+  const int64_t needed = (width / vec + kWarpSize - 1) / kWarpSize * kWarpSize;
+  return static_cast<int>(std::clamp<int64_t>(needed, kWarpSize, 256));
 }
 
 }  // namespace qspec_ext::cuda

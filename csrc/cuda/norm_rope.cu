@@ -23,10 +23,11 @@ using cuda::block_sum;
 using cuda::kWarpSize;
 using cuda::load_index;
 using cuda::load_mixed;
+using cuda::row_threads;
 using cuda::Pack;
+using cuda::pick_vec;
 using cuda::warp_sum;
-
-constexpr int kNormThreads = 256;
+using cuda::with_vec;
 
 // ---------------------------------------------------------------------------------------
 // Row norms. VEC elements per access (16-byte accesses when the row allows it).
@@ -109,37 +110,6 @@ __global__ void eagle3_input_norm_kernel(const T* __restrict__ embeds,  // [rows
                    nullptr);
   norm_row<T, VEC>(hidden + r * hidden_stride, nullptr, x_row + width, hidden_weight, hidden_weight_f32, width,
                    eps, norm_before_residual ? nullptr : res_row, norm_before_residual ? res_row : nullptr);
-}
-
-// Largest VEC (up to 16 bytes per access) that divides the width and keeps every row
-// start aligned.
-template <typename T>
-int pick_vec(int64_t width, std::initializer_list<std::pair<const void*, int64_t>> rows) {
-  int vec = 16 / static_cast<int>(sizeof(T));
-  auto fits = [&](int v) {
-    if (width % v != 0) return false;
-    for (const auto& [ptr, stride] : rows)
-      if (reinterpret_cast<uintptr_t>(ptr) % (v * sizeof(T)) != 0 || stride % v != 0) return false;
-    return true;
-  };
-  while (vec > 1 && !fits(vec)) vec /= 2;
-  return vec;
-}
-
-template <typename T, typename Launch>
-void with_vec(int vec, Launch&& launch) {
-  switch (vec) {
-    case 8: if constexpr (sizeof(T) == 2) { launch(std::integral_constant<int, 8>{}); return; } break;
-    case 4: launch(std::integral_constant<int, 4>{}); return;
-    case 2: launch(std::integral_constant<int, 2>{}); return;
-    default: break;
-  }
-  launch(std::integral_constant<int, 1>{});
-}
-
-int norm_threads(int64_t width, int vec) {
-  const int64_t needed = (width / vec + kWarpSize - 1) / kWarpSize * kWarpSize;
-  return static_cast<int>(std::clamp<int64_t>(needed, kWarpSize, kNormThreads));
 }
 
 // ---------------------------------------------------------------------------------------
@@ -268,7 +238,7 @@ at::Tensor rms_norm_cuda(const at::Tensor& input, const at::Tensor& weight, doub
   QSPEC_DISPATCH_ACTIVATION(input.scalar_type(), "rms_norm_cuda", [&] {
     const int vec = pick_vec<scalar_t>(width, {{rows.const_data_ptr(), rows.stride(0)}, {out.data_ptr(), width}});
     with_vec<scalar_t>(vec, [&](auto V) {
-      rms_norm_kernel<scalar_t, decltype(V)::value><<<rows.size(0), norm_threads(width, V), 0, stream>>>(
+      rms_norm_kernel<scalar_t, decltype(V)::value><<<rows.size(0), row_threads(width, V), 0, stream>>>(
           rows.const_data_ptr<scalar_t>(), rows.stride(0), out.data_ptr<scalar_t>(), weight.const_data_ptr(),
           weight.scalar_type() == at::kFloat, static_cast<int>(width), static_cast<float>(eps));
     });
@@ -297,7 +267,7 @@ void fused_add_rms_norm_cuda(at::Tensor& input, at::Tensor& residual, const at::
     const int vec = pick_vec<scalar_t>(
         width, {{in_rows.data_ptr(), in_rows.stride(0)}, {res_rows.data_ptr(), res_rows.stride(0)}});
     with_vec<scalar_t>(vec, [&](auto V) {
-      fused_add_rms_norm_kernel<scalar_t, decltype(V)::value><<<in_rows.size(0), norm_threads(width, V), 0, stream>>>(
+      fused_add_rms_norm_kernel<scalar_t, decltype(V)::value><<<in_rows.size(0), row_threads(width, V), 0, stream>>>(
           in_rows.data_ptr<scalar_t>(), in_rows.stride(0), res_rows.data_ptr<scalar_t>(), res_rows.stride(0),
           weight.const_data_ptr(), weight.scalar_type() == at::kFloat, static_cast<int>(width),
           static_cast<float>(eps));
@@ -324,7 +294,7 @@ std::tuple<at::Tensor, at::Tensor> eagle3_input_norm_cuda(const at::Tensor& embe
                                                {x.data_ptr(), 2 * width},
                                                {residual.data_ptr(), width}});
     with_vec<scalar_t>(vec, [&](auto V) {
-      eagle3_input_norm_kernel<scalar_t, decltype(V)::value><<<rows, norm_threads(width, V), 0, stream>>>(
+      eagle3_input_norm_kernel<scalar_t, decltype(V)::value><<<rows, row_threads(width, V), 0, stream>>>(
           embeds.const_data_ptr<scalar_t>(), embeds.stride(0), hidden.const_data_ptr<scalar_t>(), hidden.stride(0),
           x.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(), embed_weight.const_data_ptr(),
           embed_weight.scalar_type() == at::kFloat, hidden_weight.const_data_ptr(),

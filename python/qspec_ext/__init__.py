@@ -7,13 +7,25 @@ documented wrapper for each, and :mod:`qspec_ext.reference` the pure-PyTorch spe
 import torch
 
 from . import _C, ops, reference
-from .ops import eagle3_input_norm, fused_add_rms_norm_, qk_norm_rope_, rms_norm
+from .aux import AuxHiddenCapture, default_aux_layer_ids
+from .ops import (
+    eagle3_input_norm,
+    fused_add_rms_norm_,
+    gather_aux_hidden,
+    gather_aux_hidden_out,
+    qk_norm_rope_,
+    rms_norm,
+)
 from .rope import rope_cos_sin_cache
 
 __version__ = _C.version
 
 __all__ = [
+    "AuxHiddenCapture",
     "build_info",
+    "default_aux_layer_ids",
+    "gather_aux_hidden",
+    "gather_aux_hidden_out",
     "eagle3_input_norm",
     "fused_add_rms_norm_",
     "ops",

@@ -5,6 +5,8 @@ tensors int32 or int64. Rows of 2-D inputs may be strided (last dim contiguous).
 Every op runs on CPU and, when built with CUDA, on CUDA (on the current stream).
 """
 
+from collections.abc import Sequence
+
 import torch
 
 _ops = torch.ops.qspec_ext
@@ -73,6 +75,43 @@ def qk_norm_rope_(
     )
 
 
+def gather_aux_hidden(
+    aux: Sequence[torch.Tensor],
+    indices: torch.Tensor,
+    residual: Sequence[torch.Tensor] | None = None,
+    norm_mode: str = "none",
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """The drafter's fc input from the target's aux-layer features, in one pass.
+
+    aux: n (1..8) tensors ``[T, H]`` (rows may be strided); indices: ``[N]`` int32/int64 rows to
+    take, -1 = padding (a row of zeros); residual: n tensors like aux, added to them (for models
+    that keep the residual stream separate). Row j of the ``[N, n*H]`` result is
+    ``concat_i(aux[i][indices[j]] (+ residual[i][indices[j]]))``, then, in fp32:
+
+    - ``norm_mode="none"``: as is;
+    - ``"fc_norm"`` (EAGLE 3.1): each H-wide chunk i RMS-normalized with ``norm_weight[i]`` (``[n, H]``);
+    - ``"norm_before_fc"``: one RMSNorm over the whole row with ``norm_weight`` (``[n*H]``).
+    """
+    return _ops.gather_aux_hidden(list(aux), indices, None if residual is None else list(residual), norm_mode,
+                                  norm_weight, eps)
+
+
+def gather_aux_hidden_out(
+    aux: Sequence[torch.Tensor],
+    indices: torch.Tensor,
+    out: torch.Tensor,
+    residual: Sequence[torch.Tensor] | None = None,
+    norm_mode: str = "none",
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> None:
+    """:func:`gather_aux_hidden` into a preallocated ``out [N, n*H]`` (static shapes for decode loops)."""
+    _ops.gather_aux_hidden_out(list(aux), indices, None if residual is None else list(residual), norm_mode,
+                               norm_weight, eps, out)
+
+
 @torch.library.register_fake("qspec_ext::rms_norm")
 def _rms_norm_fake(input, weight, eps):
     return torch.empty_like(input, memory_format=torch.contiguous_format)
@@ -82,3 +121,8 @@ def _rms_norm_fake(input, weight, eps):
 def _eagle3_input_norm_fake(embeds, hidden, embed_weight, hidden_weight, eps, norm_before_residual):
     tokens, width = embeds.shape
     return embeds.new_empty(tokens, 2 * width), embeds.new_empty(tokens, width)
+
+
+@torch.library.register_fake("qspec_ext::gather_aux_hidden")
+def _gather_aux_hidden_fake(aux, indices, residual, norm_mode, norm_weight, eps):
+    return aux[0].new_empty(indices.shape[0], len(aux) * aux[0].shape[1])

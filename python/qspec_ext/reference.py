@@ -85,3 +85,24 @@ def qk_norm_rope_(
         slots = slot_mapping[keep].long()
         k_cache[slots] = k[keep]
         v_cache[slots] = v[keep]
+
+
+def gather_aux_hidden(
+    aux: list[torch.Tensor],
+    indices: torch.Tensor,
+    residual: list[torch.Tensor] | None = None,
+    norm_mode: str = "none",
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    rows = indices.long().clamp(min=0)
+    features = [a[rows].float() for a in aux]
+    if residual is not None:
+        features = [f + r[rows].float() for f, r in zip(features, residual)]
+    if norm_mode == "fc_norm":
+        features = [f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps) * w.float() for f, w in zip(features, norm_weight)]
+    fc_input = torch.cat(features, dim=-1)
+    if norm_mode == "norm_before_fc":
+        fc_input = fc_input * torch.rsqrt(fc_input.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+    fc_input[indices < 0] = 0
+    return fc_input.to(aux[0].dtype)

@@ -1,0 +1,122 @@
+// CPU kernel of the aux hidden-state gather: parallel over output rows; each row reads
+// its n source rows once into an fp32 scratch row, normalizes, and writes the fc input.
+#include <vector>
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include "cpu_common.h"
+#include "ops.h"
+#include "qspec_ext/aux_gather.h"
+
+namespace qspec_ext {
+namespace {
+
+using namespace cpu;
+
+template <typename T>
+QSPEC_INLINE void gather_rows_impl(const AuxGatherParams<T>& p, const float* weight, int64_t begin, int64_t end) {
+  const int64_t H = p.hidden, width = p.num_aux * H;
+  std::vector<float> row(width), res(H);
+  for (int64_t j = begin; j < end; ++j) {
+    T* out = p.out + j * p.out_stride;
+    const int64_t src = p.indices_i64 ? static_cast<const int64_t*>(p.indices)[j]
+                                      : static_cast<const int32_t*>(p.indices)[j];
+    if (src < 0) {  // padding row
+      std::fill_n(out, width, T(0));
+      continue;
+    }
+    for (int i = 0; i < p.num_aux; ++i) {
+      float* chunk = row.data() + i * H;
+      load_float(p.aux[i] + src * p.aux_stride[i], chunk, H);
+      if (p.residual[0] != nullptr) {
+        load_float(p.residual[i] + src * p.residual_stride[i], res.data(), H);
+        for (int64_t e = 0; e < H; ++e) chunk[e] += res[e];
+      }
+    }
+    switch (p.mode) {
+      case AuxNormMode::kNone:
+        store_float(row.data(), out, width);
+        break;
+      case AuxNormMode::kFcNorm:
+        for (int i = 0; i < p.num_aux; ++i) store_normalized(row.data() + i * H, weight + i * H, out + i * H, H, p.eps);
+        break;
+      case AuxNormMode::kNormBeforeFc:
+        store_normalized(row.data(), weight, out, width, p.eps);
+        break;
+    }
+  }
+}
+
+QSPEC_CPU_CLONES void gather_rows(const AuxGatherParams<float>& p, const float* w, int64_t b, int64_t e) {
+  gather_rows_impl(p, w, b, e);
+}
+QSPEC_CPU_CLONES void gather_rows(const AuxGatherParams<c10::Half>& p, const float* w, int64_t b, int64_t e) {
+  gather_rows_impl(p, w, b, e);
+}
+QSPEC_CPU_CLONES void gather_rows(const AuxGatherParams<c10::BFloat16>& p, const float* w, int64_t b, int64_t e) {
+  gather_rows_impl(p, w, b, e);
+}
+
+void gather_into(std::string_view op, at::TensorList aux, const at::Tensor& indices,
+                 const std::optional<at::TensorList>& residual, const std::optional<at::Tensor>& norm_weight,
+                 double eps, const AuxGatherShape& s, at::Tensor& out) {
+  QSPEC_CHECK(aux[0].device().is_cpu(), op, "aux[0]", "must be a CPU tensor for the CPU kernel, got ",
+              aux[0].device());
+  check_index_range(op, "indices", indices, -1, s.num_source, "source rows, -1 = padding");
+  if (s.num_rows == 0 || s.hidden == 0) return;
+  const at::Tensor weight = norm_weight.has_value() ? weight_as_float(*norm_weight) : at::Tensor();
+  QSPEC_DISPATCH_ACTIVATION(aux[0].scalar_type(), "gather_aux_hidden_cpu", [&] {
+    AuxGatherParams<scalar_t> p{};
+    for (int i = 0; i < s.num_aux; ++i) {
+      p.aux[i] = aux[i].const_data_ptr<scalar_t>();
+      p.aux_stride[i] = aux[i].stride(0);
+      if (s.has_residual) {
+        p.residual[i] = (*residual)[i].const_data_ptr<scalar_t>();
+        p.residual_stride[i] = (*residual)[i].stride(0);
+      }
+    }
+    p.indices = indices.const_data_ptr();
+    p.indices_i64 = indices.scalar_type() == at::kLong;
+    p.out = out.data_ptr<scalar_t>();
+    p.out_stride = out.stride(0);
+    p.num_rows = s.num_rows;
+    p.num_source = s.num_source;
+    p.num_aux = s.num_aux;
+    p.hidden = static_cast<int>(s.hidden);
+    p.eps = static_cast<float>(eps);
+    p.mode = s.mode;
+    const float* w = weight.defined() ? weight.const_data_ptr<float>() : nullptr;
+    at::parallel_for(0, s.num_rows, grain_for(s.num_aux * s.hidden),
+                     [&](int64_t b, int64_t e) { gather_rows(p, w, b, e); });
+  });
+}
+
+}  // namespace
+
+at::Tensor gather_aux_hidden_cpu(at::TensorList aux, const at::Tensor& indices,
+                                 std::optional<at::TensorList> residual, c10::string_view norm_mode,
+                                 const std::optional<at::Tensor>& norm_weight, double eps) {
+  constexpr std::string_view op = "gather_aux_hidden";
+  const AuxGatherShape s = check_gather_aux_hidden(op, aux, indices, residual, norm_mode, norm_weight);
+  at::Tensor out = at::empty({s.num_rows, s.num_aux * s.hidden}, aux[0].options());
+  gather_into(op, aux, indices, residual, norm_weight, eps, s, out);
+  return out;
+}
+
+void gather_aux_hidden_out_cpu(at::TensorList aux, const at::Tensor& indices, std::optional<at::TensorList> residual,
+                               c10::string_view norm_mode, const std::optional<at::Tensor>& norm_weight, double eps,
+                               at::Tensor& out) {
+  constexpr std::string_view op = "gather_aux_hidden_out";
+  const AuxGatherShape s = check_gather_aux_hidden(op, aux, indices, residual, norm_mode, norm_weight);
+  check_gather_out(out, s, aux[0]);
+  gather_into(op, aux, indices, residual, norm_weight, eps, s, out);
+}
+
+TORCH_LIBRARY_IMPL(qspec_ext, CPU, m) {
+  m.impl("gather_aux_hidden", &gather_aux_hidden_cpu);
+  m.impl("gather_aux_hidden_out", &gather_aux_hidden_out_cpu);
+}
+
+}  // namespace qspec_ext

@@ -1,0 +1,84 @@
+// Building blocks of the CPU kernels: fp32 scratch rows, conversions, and the
+// vectorizable loops the row kernels are made of.
+#pragma once
+
+#include <algorithm>
+#include <string_view>
+
+#include <ATen/core/Tensor.h>
+
+#include "checks.h"
+#include "qspec_ext/norm_rope.h"
+
+// Row kernels are compiled for AVX-512, AVX2 and baseline x86-64 and picked at load time.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define QSPEC_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define QSPEC_CPU_CLONES
+#endif
+#define QSPEC_INLINE inline __attribute__((always_inline))
+
+namespace qspec_ext::cpu {
+
+// Rows per parallel task: enough work (about 64K elements) to pay for a thread.
+inline int64_t grain_for(int64_t elements_per_row) {
+  return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(elements_per_row, 1));
+}
+
+template <typename T>
+QSPEC_INLINE void load_float(const T* __restrict__ src, float* __restrict__ dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <typename T>
+QSPEC_INLINE void store_float(const float* __restrict__ src, T* __restrict__ dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+// Sum of squares with 16 independent partial sums, so the loop vectorizes without
+// reassociating one serial float sum.
+QSPEC_INLINE float sum_squares(const float* __restrict__ x, int64_t n) {
+  float acc[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) acc[j] += x[i + j] * x[i + j];
+  float total = 0.f;
+  for (; i < n; ++i) total += x[i] * x[i];
+  for (int j = 0; j < 16; ++j) total += acc[j];
+  return total;
+}
+
+// dst = RMSNorm(x) * weight from an fp32 row, converted to T on the way out.
+template <typename T>
+QSPEC_INLINE void store_normalized(const float* __restrict__ x, const float* __restrict__ weight, T* __restrict__ dst,
+                                   int64_t n, float eps) {
+  const float inv = rms_inv(sum_squares(x, n), static_cast<int>(n), eps);
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(x[i] * inv * weight[i]);
+}
+
+// x = RMSNorm(x) * weight, in place on an fp32 row.
+QSPEC_INLINE void rms_normalize(float* __restrict__ x, const float* __restrict__ weight, int64_t n, float eps) {
+  const float inv = rms_inv(sum_squares(x, n), static_cast<int>(n), eps);
+  for (int64_t i = 0; i < n; ++i) x[i] = x[i] * inv * weight[i];
+}
+
+// A norm weight as contiguous fp32 (weights may be stored in fp32 or the activation
+// dtype); no copy when it already is.
+inline at::Tensor weight_as_float(const at::Tensor& weight) { return weight.to(at::kFloat).contiguous(); }
+
+inline int64_t read_index(const at::Tensor& t, int64_t i) {
+  return t.scalar_type() == at::kInt ? static_cast<int64_t>(t.const_data_ptr<int32_t>()[i])
+                                     : t.const_data_ptr<int64_t>()[i];
+}
+
+// Value checks done before any write, so a bad call leaves its outputs untouched.
+inline void check_index_range(std::string_view op, std::string_view name, const at::Tensor& t, int64_t lo, int64_t hi,
+                       std::string_view what) {
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    const int64_t v = read_index(t, i);
+    QSPEC_CHECK(v >= lo && v < hi, op, name, "must hold values in [", lo, ", ", hi, ") (", what, "), got ", v,
+                " at index ", i);
+  }
+}
+
+}  // namespace qspec_ext::cpu

@@ -1,0 +1,160 @@
+// CUDA kernel of the aux hidden-state gather: one block per output row. Without a norm
+// the row is copied in one pass; with one, pass 1 reduces the sums of squares (one per
+// chunk for fc_norm, one in all for norm_before_fc) and pass 2 re-reads the source rows
+// (now in L1/L2) and writes the normalized fc input.
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "checks.h"
+#include "common.cuh"
+#include "ops.h"
+#include "qspec_ext/aux_gather.h"
+#include "qspec_ext/norm_rope.h"
+
+namespace qspec_ext {
+namespace {
+
+using cuda::block_sum;
+using cuda::load_index;
+using cuda::load_mixed;
+using cuda::Pack;
+
+// Feature i of source row `src`, elements [e, e + VEC), in fp32.
+template <typename T, int VEC>
+__device__ __forceinline__ void load_feature(const AuxGatherParams<T>& p, int i, int64_t src, int e,
+                                             float (&v)[VEC]) {
+  const auto a = *reinterpret_cast<const Pack<T, VEC>*>(p.aux[i] + src * p.aux_stride[i] + e);
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) v[k] = static_cast<float>(a.v[k]);
+  if (p.residual[0] != nullptr) {
+    const auto r = *reinterpret_cast<const Pack<T, VEC>*>(p.residual[i] + src * p.residual_stride[i] + e);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) v[k] += static_cast<float>(r.v[k]);
+  }
+}
+
+template <typename T, int VEC>
+__global__ void gather_aux_hidden_kernel(const AuxGatherParams<T> p) {
+  const int64_t j = blockIdx.x;
+  const int H = p.hidden;
+  T* out = p.out + j * p.out_stride;
+  const int64_t src = load_index(p.indices, p.indices_i64, j);
+  QSPEC_DEVICE_CHECK(src >= -1 && src < p.num_source,
+                     "gather_aux_hidden: indices[%lld] = %lld outside [-1, num_tokens=%lld)", (long long)j,
+                     (long long)src, (long long)p.num_source);
+  if (src < -1 || src >= p.num_source) return;
+  if (src == -1) {  // padding row
+    for (int e = threadIdx.x; e < p.num_aux * H; e += blockDim.x) out[e] = T(0);
+    return;
+  }
+
+  float inv[kMaxAuxLayers];
+  if (p.mode != AuxNormMode::kNone) {
+    float total = 0.f;
+    for (int i = 0; i < p.num_aux; ++i) {
+      float ss = 0.f;
+      for (int e = threadIdx.x * VEC; e < H; e += blockDim.x * VEC) {
+        float v[VEC];
+        load_feature<T, VEC>(p, i, src, e, v);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) ss += v[k] * v[k];
+      }
+      if (p.mode == AuxNormMode::kFcNorm) {
+        inv[i] = rms_inv(block_sum(ss), H, p.eps);
+      } else {
+        total += ss;
+      }
+    }
+    if (p.mode == AuxNormMode::kNormBeforeFc) {
+      const float all = rms_inv(block_sum(total), p.num_aux * H, p.eps);
+      for (int i = 0; i < p.num_aux; ++i) inv[i] = all;
+    }
+  }
+
+  for (int i = 0; i < p.num_aux; ++i) {
+    const float scale = p.mode == AuxNormMode::kNone ? 1.f : inv[i];
+    for (int e = threadIdx.x * VEC; e < H; e += blockDim.x * VEC) {
+      float v[VEC];
+      load_feature<T, VEC>(p, i, src, e, v);
+      Pack<T, VEC> o;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const float w = p.mode == AuxNormMode::kNone ? 1.f : load_mixed<T>(p.weight, p.weight_f32, i * H + e + k);
+        o.v[k] = static_cast<T>(v[k] * scale * w);
+      }
+      *reinterpret_cast<Pack<T, VEC>*>(out + i * H + e) = o;
+    }
+  }
+}
+
+void gather_into(std::string_view op, at::TensorList aux, const at::Tensor& indices,
+                 const std::optional<at::TensorList>& residual, const std::optional<at::Tensor>& norm_weight,
+                 double eps, const AuxGatherShape& s, at::Tensor& out) {
+  QSPEC_CHECK(aux[0].is_cuda(), op, "aux[0]", "must be a CUDA tensor for the CUDA kernel, got ", aux[0].device());
+  if (s.num_rows == 0 || s.hidden == 0) return;
+  const c10::cuda::CUDAGuard guard(aux[0].device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  QSPEC_DISPATCH_ACTIVATION(aux[0].scalar_type(), "gather_aux_hidden_cuda", [&] {
+    AuxGatherParams<scalar_t> p{};
+    std::vector<cuda::RowPtr> rows{{out.data_ptr(), out.stride(0)}};
+    for (int i = 0; i < s.num_aux; ++i) {
+      p.aux[i] = aux[i].const_data_ptr<scalar_t>();
+      p.aux_stride[i] = aux[i].stride(0);
+      rows.emplace_back(p.aux[i], p.aux_stride[i]);
+      if (s.has_residual) {
+        p.residual[i] = (*residual)[i].const_data_ptr<scalar_t>();
+        p.residual_stride[i] = (*residual)[i].stride(0);
+        rows.emplace_back(p.residual[i], p.residual_stride[i]);
+      }
+    }
+    p.indices = indices.const_data_ptr();
+    p.indices_i64 = indices.scalar_type() == at::kLong;
+    p.weight = norm_weight.has_value() ? norm_weight->const_data_ptr() : nullptr;
+    p.weight_f32 = norm_weight.has_value() && norm_weight->scalar_type() == at::kFloat;
+    p.out = out.data_ptr<scalar_t>();
+    p.out_stride = out.stride(0);
+    p.num_rows = s.num_rows;
+    p.num_source = s.num_source;
+    p.num_aux = s.num_aux;
+    p.hidden = static_cast<int>(s.hidden);
+    p.eps = static_cast<float>(eps);
+    p.mode = s.mode;
+    cuda::with_vec<scalar_t>(cuda::pick_vec<scalar_t>(s.hidden, rows), [&](auto V) {
+      constexpr int vec = decltype(V)::value;
+      gather_aux_hidden_kernel<scalar_t, vec>
+          <<<s.num_rows, cuda::row_threads(s.hidden, vec), 0, stream>>>(p);
+    });
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+at::Tensor gather_aux_hidden_cuda(at::TensorList aux, const at::Tensor& indices,
+                                  std::optional<at::TensorList> residual, c10::string_view norm_mode,
+                                  const std::optional<at::Tensor>& norm_weight, double eps) {
+  constexpr std::string_view op = "gather_aux_hidden";
+  const AuxGatherShape s = check_gather_aux_hidden(op, aux, indices, residual, norm_mode, norm_weight);
+  at::Tensor out = at::empty({s.num_rows, s.num_aux * s.hidden}, aux[0].options());
+  gather_into(op, aux, indices, residual, norm_weight, eps, s, out);
+  return out;
+}
+
+void gather_aux_hidden_out_cuda(at::TensorList aux, const at::Tensor& indices,
+                                std::optional<at::TensorList> residual, c10::string_view norm_mode,
+                                const std::optional<at::Tensor>& norm_weight, double eps, at::Tensor& out) {
+  constexpr std::string_view op = "gather_aux_hidden_out";
+  const AuxGatherShape s = check_gather_aux_hidden(op, aux, indices, residual, norm_mode, norm_weight);
+  check_gather_out(out, s, aux[0]);
+  gather_into(op, aux, indices, residual, norm_weight, eps, s, out);
+}
+
+TORCH_LIBRARY_IMPL(qspec_ext, CUDA, m) {
+  m.impl("gather_aux_hidden", &gather_aux_hidden_cuda);
+  m.impl("gather_aux_hidden_out", &gather_aux_hidden_out_cuda);
+}
+
+}  // namespace qspec_ext

@@ -1,0 +1,123 @@
+"""The capture side of EAGLE-3 target features (aux hidden states).
+
+The feature of aux layer L is the residual stream ENTERING decoder layer L (HF's
+``output_hidden_states[L]``); id N (the layer count) is the last layer's output before
+the final norm. :class:`AuxHiddenCapture` keeps references to those tensors as the
+target runs (no copies) and hands them to :func:`qspec_ext.gather_aux_hidden`, which
+reads each selected row once and writes the drafter's fc input.
+"""
+
+import logging
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from .ops import gather_aux_hidden, gather_aux_hidden_out
+
+logger = logging.getLogger(__name__)
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3's default aux layers ``(2, N // 2, N - 3)``, made safe for small N.
+
+    For N < 6 the defaults collide or fall outside ``[0, N)``; then the unique ids in
+    range are kept, sorted, and a warning says so.
+    """
+    if num_layers < 1:
+        raise ValueError(f"default_aux_layer_ids: num_layers must be >= 1, got {num_layers}")
+    wanted = [2, num_layers // 2, num_layers - 3]
+    ids = sorted({i for i in wanted if 0 <= i < num_layers})
+    if ids != wanted:
+        logger.warning(
+            "default_aux_layer_ids: the defaults %s do not fit a %d-layer model; using %s", wanted, num_layers, ids
+        )
+    return ids
+
+
+class AuxHiddenCapture:
+    """References to the aux-layer features of the latest target forward.
+
+    A target with a fused residual (hidden and residual kept apart) calls
+    ``capture.record(L, hidden, residual)`` at the top of each layer; the gather then adds
+    them. A plain HF model can be hooked with :meth:`attach`. Tensors are kept by reference,
+    as ``[tokens, H]`` views; the gather is the only pass over them.
+    """
+
+    def __init__(self, layer_ids: Sequence[int]):
+        if len(layer_ids) == 0 or len(set(layer_ids)) != len(layer_ids):
+            raise ValueError(f"AuxHiddenCapture: layer_ids must be non-empty and unique, got {list(layer_ids)}")
+        self.layer_ids = list(layer_ids)
+        self._hidden: dict[int, torch.Tensor] = {}
+        self._residual: dict[int, torch.Tensor] = {}
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+
+    def record(self, layer_id: int, hidden: torch.Tensor, residual: torch.Tensor | None = None) -> None:
+        """Keeps (a flat view of) the stream entering layer ``layer_id`` if it is an aux layer."""
+        if layer_id not in self.layer_ids:
+            return
+        self._hidden[layer_id] = hidden.reshape(-1, hidden.shape[-1])
+        if residual is not None:
+            self._residual[layer_id] = residual.reshape(-1, residual.shape[-1])
+
+    def features(self) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        missing = [i for i in self.layer_ids if i not in self._hidden]
+        if missing:
+            raise RuntimeError(f"AuxHiddenCapture: no feature recorded for aux layers {missing}")
+        hidden = [self._hidden[i] for i in self.layer_ids]
+        if not self._residual:
+            return hidden, None
+        if len(self._residual) != len(self.layer_ids):
+            raise RuntimeError("AuxHiddenCapture: residuals were recorded for some aux layers but not all")
+        return hidden, [self._residual[i] for i in self.layer_ids]
+
+    def gather(
+        self,
+        indices: torch.Tensor,
+        norm_mode: str = "none",
+        norm_weight: torch.Tensor | None = None,
+        eps: float = 1e-6,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The drafter's fc input ``[N, n*H]`` for the recorded tokens at ``indices`` (-1 = padding)."""
+        hidden, residual = self.features()
+        if out is None:
+            return gather_aux_hidden(hidden, indices, residual, norm_mode, norm_weight, eps)
+        gather_aux_hidden_out(hidden, indices, out, residual, norm_mode, norm_weight, eps)
+        return out
+
+    def clear(self) -> None:
+        self._hidden.clear()
+        self._residual.clear()
+
+    @classmethod
+    def attach(cls, model: nn.Module, layer_ids: Sequence[int] | None = None) -> "AuxHiddenCapture":
+        """Hooks a transformers decoder-only model (``model.model.layers`` and ``model.model.norm``).
+
+        Each aux layer's input hidden states are recorded on every forward; id N records the
+        input of the final norm. ``layer_ids`` default to :func:`default_aux_layer_ids`.
+        """
+        decoder = model.model if hasattr(model, "model") else model
+        layers = decoder.layers
+        ids = list(layer_ids) if layer_ids is not None else default_aux_layer_ids(len(layers))
+        bad = [i for i in ids if not 0 <= i <= len(layers)]
+        if bad:
+            raise ValueError(f"AuxHiddenCapture.attach: aux layer ids {bad} outside [0, {len(layers)}]")
+        capture = cls(ids)
+
+        def hook_for(layer_id: int):
+            def hook(module, args, kwargs):
+                hidden = args[0] if args else kwargs["hidden_states"]
+                capture.record(layer_id, hidden)
+
+            return hook
+
+        for i in ids:
+            target = layers[i] if i < len(layers) else decoder.norm
+            capture._hooks.append(target.register_forward_pre_hook(hook_for(i), with_kwargs=True))
+        return capture
+
+    def detach(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
