@@ -1,3 +1,8 @@
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -21,3 +26,12 @@ def device(request):
 
 def assert_close(actual, expected, dtype=None):
     torch.testing.assert_close(actual, expected, **TOLERANCES[dtype or expected.dtype])
+
+
+def assert_cuda_script_fails_with(script: str, message: str) -> None:
+    """Runs script in a child process (a device-side check kills the CUDA context) and
+    asserts it failed, printing message."""
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
+                          env=os.environ)
+    assert proc.returncode != 0
+    assert message in proc.stdout + proc.stderr

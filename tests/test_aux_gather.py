@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEVICES, assert_close
+from conftest import DEVICES, assert_close, assert_cuda_script_fails_with
 
 import qspec_ext
 from qspec_ext import reference as ref
@@ -195,6 +195,19 @@ def test_device_mismatch():
         qspec_ext.gather_aux_hidden([aux[0], aux[1].cpu(), aux[2]], torch.tensor([0], device="cuda"))
     with pytest.raises(RuntimeError, match=r"argument 'indices' must be on cuda:0, got cpu"):
         qspec_ext.gather_aux_hidden(aux, torch.tensor([0]))
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs a CUDA device")
+def test_cuda_out_of_range_index_fails_loudly():
+    assert_cuda_script_fails_with(
+        """
+        import torch, qspec_ext
+        aux = [torch.randn(10, 64, device="cuda") for _ in range(3)]
+        qspec_ext.gather_aux_hidden(aux, torch.tensor([0, 10], device="cuda"))
+        torch.cuda.synchronize()
+        """,
+        "qspec_ext.gather_aux_hidden: indices[1] = 10 outside [-1, num_tokens=10)",
+    )
 
 
 # ----------------------------------------------------------------------------- capture side

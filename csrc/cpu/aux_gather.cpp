@@ -27,6 +27,10 @@ QSPEC_INLINE void gather_rows_impl(const AuxGatherParams<T>& p, const float* wei
       std::fill_n(out, width, T(0));
       continue;
     }
+    if (p.mode == AuxNormMode::kNone && p.residual[0] == nullptr) {  // a plain concat: no conversions
+      for (int i = 0; i < p.num_aux; ++i) std::copy_n(p.aux[i] + src * p.aux_stride[i], H, out + i * H);
+      continue;
+    }
     for (int i = 0; i < p.num_aux; ++i) {
       float* chunk = row.data() + i * H;
       load_float(p.aux[i] + src * p.aux_stride[i], chunk, H);
