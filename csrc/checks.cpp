@@ -1,6 +1,7 @@
 #include "checks.h"
 
 #include "qspec_ext/norm_rope.h"
+#include "qspec_ext/verify.h"
 
 namespace qspec_ext {
 
@@ -203,6 +204,82 @@ void check_gather_out(const at::Tensor& out, const AuxGatherShape& shape, const 
               "out", "must have shape [num_rows, n * hidden_size] = [", shape.num_rows, ", ",
               shape.num_aux * shape.hidden, "], got ", out.sizes());
   QSPEC_CHECK(out.stride(1) == 1, op, "out", "must have a contiguous last dimension, got strides ", out.strides());
+}
+
+static void check_vector(std::string_view op, std::string_view name, const at::Tensor& t, int64_t length,
+                         const at::Tensor& ref, std::initializer_list<at::ScalarType> dtypes) {
+  check_same_device(op, name, t, ref);
+  bool dtype_ok = false;
+  for (auto d : dtypes) dtype_ok = dtype_ok || t.scalar_type() == d;
+  QSPEC_CHECK(dtype_ok, op, name, "must have dtype ", c10::ArrayRef<at::ScalarType>(dtypes), ", got ",
+              t.scalar_type());
+  QSPEC_CHECK(t.dim() == 1 && t.size(0) == length, op, name, "must have shape [", length, "], got ", t.sizes());
+  QSPEC_CHECK(t.is_contiguous(), op, name, "must be contiguous, got strides ", t.strides());
+}
+
+VerifyShape check_verify(std::string_view op, const at::Tensor& draft_ids, const at::Tensor& target_logits,
+                         const std::optional<at::Tensor>& num_draft, const std::optional<at::Tensor>& draft_probs,
+                         const std::optional<at::Tensor>& temperature, const std::optional<at::Tensor>& seed,
+                         const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& d2t) {
+  VerifyShape s{};
+  QSPEC_CHECK(draft_ids.dim() == 2, op, "draft_ids", "must have shape [batch, num_draft_tokens], got ",
+              draft_ids.sizes());
+  QSPEC_CHECK(draft_ids.scalar_type() == at::kLong, op, "draft_ids", "must be int64, got ", draft_ids.scalar_type());
+  s.batch = draft_ids.size(0);
+  const int64_t k = draft_ids.size(1);
+  QSPEC_CHECK(k >= 1 && k <= kMaxDraftTokens, op, "draft_ids", "must hold 1 to ", kMaxDraftTokens,
+              " draft tokens per request, got ", k);
+  s.num_draft_max = static_cast<int>(k);
+  check_activation(op, "target_logits", target_logits);
+  check_same_device(op, "draft_ids", draft_ids, target_logits);
+  QSPEC_CHECK(target_logits.dim() == 3 && target_logits.size(0) == s.batch && target_logits.size(1) == k + 1, op,
+              "target_logits", "must have shape [batch, num_draft_tokens + 1, vocab] = [", s.batch, ", ", k + 1,
+              ", vocab], got ", target_logits.sizes());
+  QSPEC_CHECK(target_logits.stride(2) == 1, op, "target_logits",
+              "must have a contiguous last dimension, got strides ", target_logits.strides());
+  s.vocab = target_logits.size(2);
+  QSPEC_CHECK(s.vocab >= 1 && s.vocab < (int64_t{1} << 31), op, "target_logits", "must have a vocab size in [1, 2^31), got ",
+              s.vocab);
+  s.draft_vocab = s.vocab;
+  s.has_num_draft = num_draft.has_value();
+  if (s.has_num_draft) check_vector(op, "num_draft", *num_draft, s.batch, target_logits, {at::kInt, at::kLong});
+  if (temperature.has_value()) check_vector(op, "temperature", *temperature, s.batch, target_logits, {at::kFloat});
+  if (seed.has_value()) check_vector(op, "seed", *seed, s.batch, target_logits, {at::kLong});
+  if (offset.has_value()) check_vector(op, "offset", *offset, s.batch, target_logits, {at::kLong});
+
+  s.has_d2t = d2t.has_value();
+  s.has_probs = draft_probs.has_value();
+  QSPEC_CHECK(!s.has_d2t || s.has_probs, op, "d2t",
+              "maps draft_probs to target ids and must come with draft_probs (argmax drafts are target ids)");
+  if (s.has_d2t) {
+    QSPEC_CHECK(d2t->dim() == 1, op, "d2t", "must have shape [draft_vocab], got ", d2t->sizes());
+    s.draft_vocab = d2t->size(0);
+    check_vector(op, "d2t", *d2t, s.draft_vocab, target_logits, {at::kInt, at::kLong});
+  }
+  if (s.has_probs) {
+    const at::Tensor& q = *draft_probs;
+    check_same_device(op, "draft_probs", q, target_logits);
+    QSPEC_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == target_logits.scalar_type(), op, "draft_probs",
+                "must be float32 or the dtype of target_logits (", target_logits.scalar_type(), "), got ",
+                q.scalar_type());
+    QSPEC_CHECK(q.dim() == 3 && q.size(0) == s.batch && q.size(1) == k && q.size(2) == s.draft_vocab, op,
+                "draft_probs", "must have shape [batch, num_draft_tokens, ", s.has_d2t ? "draft_vocab" : "vocab",
+                "] = [", s.batch, ", ", k, ", ", s.draft_vocab, "], got ", q.sizes());
+    QSPEC_CHECK(q.stride(2) == 1, op, "draft_probs", "must have a contiguous last dimension, got strides ",
+                q.strides());
+  }
+  return s;
+}
+
+void check_verify_out(std::string_view op, const at::Tensor& out_ids, const at::Tensor& num_accepted,
+                      const VerifyShape& shape, const at::Tensor& target_logits) {
+  check_same_device(op, "out_ids", out_ids, target_logits);
+  QSPEC_CHECK(out_ids.scalar_type() == at::kLong, op, "out_ids", "must be int64, got ", out_ids.scalar_type());
+  QSPEC_CHECK(out_ids.dim() == 2 && out_ids.size(0) == shape.batch && out_ids.size(1) == shape.num_draft_max + 1,
+              op, "out_ids", "must have shape [", shape.batch, ", ", shape.num_draft_max + 1, "], got ",
+              out_ids.sizes());
+  QSPEC_CHECK(out_ids.is_contiguous(), op, "out_ids", "must be contiguous, got strides ", out_ids.strides());
+  check_vector(op, "num_accepted", num_accepted, shape.batch, target_logits, {at::kLong});
 }
 
 void check_eagle3_input_norm(const at::Tensor& embeds, const at::Tensor& hidden, const at::Tensor& embed_weight,

@@ -70,6 +70,26 @@ AuxGatherShape check_gather_aux_hidden(std::string_view op, at::TensorList aux, 
 // The out= buffer of gather_aux_hidden_out: [N, n*H], the dtype of aux, last dim contiguous.
 void check_gather_out(const at::Tensor& out, const AuxGatherShape& shape, const at::Tensor& aux0);
 
+// Shapes of one verify_greedy / verify_sampling call, validated.
+struct VerifyShape {
+  int64_t batch;        // B
+  int num_draft_max;    // K
+  int64_t vocab;        // V
+  int64_t draft_vocab;  // Vq (= V without d2t)
+  bool has_probs;
+  bool has_d2t;
+  bool has_num_draft;
+};
+
+// Sampling arguments (temperature, seed, offset, draft_probs, d2t) are checked when given.
+VerifyShape check_verify(std::string_view op, const at::Tensor& draft_ids, const at::Tensor& target_logits,
+                         const std::optional<at::Tensor>& num_draft, const std::optional<at::Tensor>& draft_probs,
+                         const std::optional<at::Tensor>& temperature, const std::optional<at::Tensor>& seed,
+                         const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& d2t);
+// out_ids [B, K+1] int64 and num_accepted [B] int64, contiguous, on the logits' device.
+void check_verify_out(std::string_view op, const at::Tensor& out_ids, const at::Tensor& num_accepted,
+                      const VerifyShape& shape, const at::Tensor& target_logits);
+
 void check_eagle3_input_norm(const at::Tensor& embeds, const at::Tensor& hidden, const at::Tensor& embed_weight,
                              const at::Tensor& hidden_weight);
 

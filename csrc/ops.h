@@ -48,4 +48,37 @@ void gather_aux_hidden_out_cuda(at::TensorList aux, const at::Tensor& indices,
                                 std::optional<at::TensorList> residual, c10::string_view norm_mode,
                                 const std::optional<at::Tensor>& norm_weight, double eps, at::Tensor& out);
 
+// ---- verify: batched draft verification ----
+std::tuple<at::Tensor, at::Tensor> verify_greedy_cpu(const at::Tensor& draft_ids, const at::Tensor& target_logits,
+                                                     const std::optional<at::Tensor>& num_draft);
+void verify_greedy_out_cpu(const at::Tensor& draft_ids, const at::Tensor& target_logits,
+                           const std::optional<at::Tensor>& num_draft, at::Tensor& out_ids, at::Tensor& num_accepted);
+std::tuple<at::Tensor, at::Tensor> verify_sampling_cpu(const at::Tensor& draft_ids,
+                                                       const std::optional<at::Tensor>& draft_probs,
+                                                       const at::Tensor& target_logits, const at::Tensor& temperature,
+                                                       const at::Tensor& seed, const at::Tensor& offset,
+                                                       const std::optional<at::Tensor>& d2t,
+                                                       const std::optional<at::Tensor>& num_draft);
+void verify_sampling_out_cpu(const at::Tensor& draft_ids, const std::optional<at::Tensor>& draft_probs,
+                             const at::Tensor& target_logits, const at::Tensor& temperature, const at::Tensor& seed,
+                             const at::Tensor& offset, const std::optional<at::Tensor>& d2t,
+                             const std::optional<at::Tensor>& num_draft, at::Tensor& out_ids,
+                             at::Tensor& num_accepted);
+
+std::tuple<at::Tensor, at::Tensor> verify_greedy_cuda(const at::Tensor& draft_ids, const at::Tensor& target_logits,
+                                                     const std::optional<at::Tensor>& num_draft);
+void verify_greedy_out_cuda(const at::Tensor& draft_ids, const at::Tensor& target_logits,
+                           const std::optional<at::Tensor>& num_draft, at::Tensor& out_ids, at::Tensor& num_accepted);
+std::tuple<at::Tensor, at::Tensor> verify_sampling_cuda(const at::Tensor& draft_ids,
+                                                       const std::optional<at::Tensor>& draft_probs,
+                                                       const at::Tensor& target_logits, const at::Tensor& temperature,
+                                                       const at::Tensor& seed, const at::Tensor& offset,
+                                                       const std::optional<at::Tensor>& d2t,
+                                                       const std::optional<at::Tensor>& num_draft);
+void verify_sampling_out_cuda(const at::Tensor& draft_ids, const std::optional<at::Tensor>& draft_probs,
+                             const at::Tensor& target_logits, const at::Tensor& temperature, const at::Tensor& seed,
+                             const at::Tensor& offset, const std::optional<at::Tensor>& d2t,
+                             const std::optional<at::Tensor>& num_draft, at::Tensor& out_ids,
+                             at::Tensor& num_accepted);
+
 }  // namespace qspec_ext

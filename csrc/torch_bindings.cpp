@@ -24,4 +24,19 @@ TORCH_LIBRARY(qspec_ext, m) {
   m.def(
       "gather_aux_hidden_out(Tensor[] aux, Tensor indices, Tensor[]? residual, str norm_mode, Tensor? norm_weight, "
       "float eps, Tensor(a!) out) -> ()");
+
+  // Greedy verification: keep drafts while they equal the target argmax, then emit one target token.
+  m.def("verify_greedy(Tensor draft_ids, Tensor target_logits, Tensor? num_draft=None) -> (Tensor, Tensor)");
+  // verify_greedy into preallocated out_ids [B, K+1] and num_accepted [B].
+  m.def(
+      "verify_greedy_out(Tensor draft_ids, Tensor target_logits, Tensor? num_draft, Tensor(a!) out_ids, "
+      "Tensor(b!) num_accepted) -> ()");
+  // Lossless rejection sampling from target logits (temperature 0 rows verified greedily).
+  m.def(
+      "verify_sampling(Tensor draft_ids, Tensor? draft_probs, Tensor target_logits, Tensor temperature, Tensor seed, "
+      "Tensor offset, Tensor? d2t=None, Tensor? num_draft=None) -> (Tensor, Tensor)");
+  // verify_sampling into preallocated out_ids [B, K+1] and num_accepted [B].
+  m.def(
+      "verify_sampling_out(Tensor draft_ids, Tensor? draft_probs, Tensor target_logits, Tensor temperature, "
+      "Tensor seed, Tensor offset, Tensor? d2t, Tensor? num_draft, Tensor(a!) out_ids, Tensor(b!) num_accepted) -> ()");
 }

@@ -15,13 +15,19 @@ from .ops import (
     gather_aux_hidden_out,
     qk_norm_rope_,
     rms_norm,
+    verify_greedy,
+    verify_greedy_out,
+    verify_sampling,
+    verify_sampling_out,
 )
+from .sampling import apply_top_k_top_p
 from .rope import rope_cos_sin_cache
 
 __version__ = _C.version
 
 __all__ = [
     "AuxHiddenCapture",
+    "apply_top_k_top_p",
     "build_info",
     "default_aux_layer_ids",
     "gather_aux_hidden",
@@ -33,6 +39,10 @@ __all__ = [
     "reference",
     "rms_norm",
     "rope_cos_sin_cache",
+    "verify_greedy",
+    "verify_greedy_out",
+    "verify_sampling",
+    "verify_sampling_out",
 ]
 
 

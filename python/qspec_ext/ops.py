@@ -112,6 +112,76 @@ def gather_aux_hidden_out(
                                norm_weight, eps, out)
 
 
+def verify_greedy(
+    draft_ids: torch.Tensor, target_logits: torch.Tensor, num_draft: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification of K drafts per request.
+
+    draft_ids: ``[B, K]`` int64 target-vocab ids (1 <= K <= 32); target_logits: ``[B, K+1, V]``
+    (row i scores the token after draft i-1); num_draft: ``[B]`` int32/int64 drafts per request
+    (ragged batches; default K). Drafts are kept while they equal ``torch.argmax`` of their row
+    (ties: lowest id); then the argmax of the first mismatching row, or of row n (the bonus),
+    is emitted. Returns ``out_ids [B, K+1]`` int64 (accepted drafts, the emitted token, then -1)
+    and ``num_accepted [B]`` int64. No host synchronization.
+    """
+    return _ops.verify_greedy(draft_ids, target_logits, num_draft)
+
+
+def verify_greedy_out(
+    draft_ids: torch.Tensor,
+    target_logits: torch.Tensor,
+    out_ids: torch.Tensor,
+    num_accepted: torch.Tensor,
+    num_draft: torch.Tensor | None = None,
+) -> None:
+    """:func:`verify_greedy` into preallocated ``out_ids [B, K+1]`` and ``num_accepted [B]`` (int64)."""
+    _ops.verify_greedy_out(draft_ids, target_logits, num_draft, out_ids, num_accepted)
+
+
+def verify_sampling(
+    draft_ids: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seed: torch.Tensor,
+    offset: torch.Tensor,
+    d2t: torch.Tensor | None = None,
+    num_draft: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lossless speculative sampling: the emitted tokens follow softmax(target_logits / temperature).
+
+    draft_ids ``[B, K]`` int64 target-vocab ids; draft_probs ``[B, K, Vd]`` (fp32 or the logits
+    dtype) the drafter's probabilities, over the draft vocabulary mapped by ``d2t`` ``[Vd]``
+    (target id = d + d2t[d]) or over the target vocabulary without d2t; None means argmax drafts
+    (q one-hot). temperature ``[B]`` fp32 (0 = greedy for that request); seed, offset ``[B]``
+    int64: random numbers are keyed only by (seed, offset + row), so pass the absolute
+    position of the first verified token as offset and a replay reproduces.
+
+    Draft x is accepted with probability min(1, p(x)/q(x)), never when p(x) or q(x) is 0; at the
+    first rejection a token is drawn from normalize(max(0, p - q)), after n accepted drafts the
+    bonus from p. A row with NaN logits or no finite logit has no distribution: its draft is
+    rejected and torch.argmax of the row is emitted. Returns ``(out_ids [B, K+1], num_accepted [B])``.
+    """
+    return _ops.verify_sampling(draft_ids, draft_probs, target_logits, temperature, seed, offset, d2t, num_draft)
+
+
+def verify_sampling_out(
+    draft_ids: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seed: torch.Tensor,
+    offset: torch.Tensor,
+    out_ids: torch.Tensor,
+    num_accepted: torch.Tensor,
+    d2t: torch.Tensor | None = None,
+    num_draft: torch.Tensor | None = None,
+) -> None:
+    """:func:`verify_sampling` into preallocated ``out_ids [B, K+1]`` and ``num_accepted [B]`` (int64)."""
+    _ops.verify_sampling_out(draft_ids, draft_probs, target_logits, temperature, seed, offset, d2t, num_draft,
+                             out_ids, num_accepted)
+
+
 @torch.library.register_fake("qspec_ext::rms_norm")
 def _rms_norm_fake(input, weight, eps):
     return torch.empty_like(input, memory_format=torch.contiguous_format)
@@ -126,3 +196,12 @@ def _eagle3_input_norm_fake(embeds, hidden, embed_weight, hidden_weight, eps, no
 @torch.library.register_fake("qspec_ext::gather_aux_hidden")
 def _gather_aux_hidden_fake(aux, indices, residual, norm_mode, norm_weight, eps):
     return aux[0].new_empty(indices.shape[0], len(aux) * aux[0].shape[1])
+
+
+def _verify_fake(draft_ids, *args):
+    batch, k = draft_ids.shape
+    return draft_ids.new_empty(batch, k + 1), draft_ids.new_empty(batch)
+
+
+torch.library.register_fake("qspec_ext::verify_greedy")(_verify_fake)
+torch.library.register_fake("qspec_ext::verify_sampling")(_verify_fake)

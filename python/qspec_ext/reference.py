@@ -106,3 +106,117 @@ def gather_aux_hidden(
         fc_input = fc_input * torch.rsqrt(fc_input.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
     fc_input[indices < 0] = 0
     return fc_input.to(aux[0].dtype)
+
+
+# ----------------------------------------------------------------------------- verification
+
+_MASK32 = 0xFFFFFFFF
+
+
+def philox4x32_10(counter: list[int], key: list[int]) -> list[int]:
+    """Philox-4x32-10 on Python ints (Salmon et al. 2011)."""
+    c, k = list(counter), list(key)
+    for _ in range(10):
+        p0, p1 = 0xD2511F53 * c[0], 0xCD9E8D57 * c[2]
+        c = [(p1 >> 32) ^ c[1] ^ k[0], p1 & _MASK32, (p0 >> 32) ^ c[3] ^ k[1], p0 & _MASK32]
+        k = [(k[0] + 0x9E3779B9) & _MASK32, (k[1] + 0xBB67AE85) & _MASK32]
+    return c
+
+
+def verify_uniform(seed: int, position: int, use: int) -> float:
+    """The uniform in [0, 1) the verification ops draw for (seed, position, use): use 0 accepts, 1 samples."""
+    s, p = seed & 0xFFFFFFFFFFFFFFFF, position & 0xFFFFFFFFFFFFFFFF
+    out = philox4x32_10([use, p & _MASK32, p >> 32, 0x5EED0001], [s & _MASK32, s >> 32])
+    bits = (out[0] << 32) | out[1]
+    return (bits >> 11) * 2.0**-53
+
+
+def _emit_row(draft_ids, accepted, token, k):
+    row = [-1] * (k + 1)
+    row[:accepted] = draft_ids[:accepted]
+    row[accepted] = token
+    return row
+
+
+def verify_greedy(draft_ids: torch.Tensor, target_logits: torch.Tensor, num_draft: torch.Tensor | None = None):
+    batch, k = draft_ids.shape
+    argmax = target_logits.argmax(dim=-1).tolist()
+    out, accepted_counts = [], []
+    for b in range(batch):
+        n = k if num_draft is None else int(num_draft[b])
+        drafts = draft_ids[b].tolist()
+        accepted = 0
+        while accepted < n and drafts[accepted] == argmax[b][accepted]:
+            accepted += 1
+        out.append(_emit_row(drafts, accepted, argmax[b][accepted], k))
+        accepted_counts.append(accepted)
+    return torch.tensor(out, dtype=torch.long), torch.tensor(accepted_counts, dtype=torch.long)
+
+
+def draft_distribution(draft_probs: torch.Tensor, d2t: torch.Tensor | None, vocab: int) -> torch.Tensor:
+    """q over target ids [..., V] from draft probabilities over the draft (or target) vocabulary."""
+    if d2t is None:
+        return draft_probs.double()
+    q = torch.zeros(*draft_probs.shape[:-1], vocab, dtype=torch.float64)
+    target_ids = torch.arange(d2t.shape[0]) + d2t.long()
+    q[..., target_ids] = draft_probs.double()
+    return q
+
+
+def _draw(weights: torch.Tensor, u: float) -> int:
+    """Inverse CDF in index order: the first token whose cumulative weight exceeds u * total."""
+    cumulative = weights.cumsum(0)
+    above = (cumulative > u * cumulative[-1]) & (weights > 0)
+    return int(above.nonzero()[0]) if above.any() else int((weights > 0).nonzero()[-1])
+
+
+def verify_sampling(draft_ids, draft_probs, target_logits, temperature, seed, offset, d2t=None, num_draft=None):
+    batch, k = draft_ids.shape
+    vocab = target_logits.shape[-1]
+    q_all = None if draft_probs is None else draft_distribution(draft_probs.cpu(), d2t, vocab)
+    out, accepted_counts = [], []
+    for b in range(batch):
+        n = k if num_draft is None else int(num_draft[b])
+        drafts = draft_ids[b].tolist()
+        temp = float(temperature[b])
+        logits = target_logits[b].double().cpu()
+        if temp == 0.0:
+            row, acc = verify_greedy(draft_ids[b : b + 1], target_logits[b : b + 1], None if num_draft is None else num_draft[b : b + 1])
+            out.append(row[0].tolist())
+            accepted_counts.append(int(acc[0]))
+            continue
+        s, o = int(seed[b]), int(offset[b])
+        valid = [bool(torch.isfinite(logits[i]).any() and not torch.isnan(logits[i]).any()) for i in range(k + 1)]
+        p = torch.softmax(logits / temp, dim=-1)
+        accepted, emit = 0, "target"
+        while accepted < n:
+            x = drafts[accepted]
+            if not valid[accepted]:
+                emit = "argmax"
+                break
+            q_x = 1.0 if q_all is None else float(q_all[b, accepted, x])
+            p_x = float(p[accepted, x])
+            u = verify_uniform(s, o + accepted, 0)
+            if not (p_x > 0 and q_x > 0 and u * q_x < p_x):
+                emit = "residual"
+                break
+            accepted += 1
+        if emit == "target" and not valid[accepted]:
+            emit = "argmax"
+        if emit == "argmax":
+            token = int(target_logits[b, accepted].float().argmax())
+        else:
+            weights = p[accepted].clone()
+            if emit == "residual":
+                if q_all is None:
+                    q = torch.zeros(vocab, dtype=torch.float64)
+                    q[drafts[accepted]] = 1.0
+                else:
+                    q = q_all[b, accepted]
+                residual = (p[accepted] - q).clamp(min=0)
+                if residual.sum() > 0:
+                    weights = residual
+            token = _draw(weights, verify_uniform(s, o + accepted, 1))
+        out.append(_emit_row(drafts, accepted, token, k))
+        accepted_counts.append(accepted)
+    return torch.tensor(out, dtype=torch.long), torch.tensor(accepted_counts, dtype=torch.long)

@@ -1,0 +1,352 @@
+// CPU kernels of draft verification, in three steps with the math of qspec_ext/verify.h:
+//  1. per target row (b, i), in parallel: argmax, softmax statistics of logits / T, and
+//     p and q of the draft token;
+//  2. per request: the accept walk (decide_request);
+//  3. per request, where needed: one inverse-CDF draw over the vocab (bonus or residual).
+#include <vector>
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include "cpu_common.h"
+#include "ops.h"
+#include "qspec_ext/verify.h"
+
+namespace qspec_ext {
+namespace {
+
+using namespace cpu;
+
+template <typename T>
+float draft_prob_at(const VerifyParams<T>& p, int64_t b, int64_t i, int64_t index) {
+  const int64_t at = b * p.probs_stride_b + i * p.probs_stride_i + index;
+  return p.probs_f32 ? static_cast<const float*>(p.draft_probs)[at]
+                     : static_cast<float>(static_cast<const T*>(p.draft_probs)[at]);
+}
+
+template <typename T>
+int64_t d2t_at(const VerifyParams<T>& p, int64_t d) {
+  return p.d2t_i64 ? static_cast<const int64_t*>(p.d2t)[d] : static_cast<const int32_t*>(p.d2t)[d];
+}
+
+template <typename T>
+int num_draft_of(const VerifyParams<T>& p, int64_t b) {
+  if (p.num_draft == nullptr) return p.num_draft_max;
+  return static_cast<int>(p.num_draft_i64 ? static_cast<const int64_t*>(p.num_draft)[b]
+                                          : static_cast<const int32_t*>(p.num_draft)[b]);
+}
+
+template <typename T>
+float temperature_of(const VerifyParams<T>& p, int64_t b) {
+  return p.temperature == nullptr ? 0.f : p.temperature[b];
+}
+
+// q(x) of draft token x at (b, i).
+template <typename T>
+float draft_q(const VerifyParams<T>& p, int64_t b, int i, int64_t x) {
+  if (p.draft_probs == nullptr) return 1.f;
+  if (p.d2t == nullptr) return draft_prob_at(p, b, i, x);
+  for (int64_t d = 0; d < p.draft_vocab; ++d)
+    if (d + d2t_at(p, d) == x) return draft_prob_at(p, b, i, d);
+  return 0.f;  // outside the draft vocabulary
+}
+
+// Step 1 for one row: vectorizable passes over the logits (max and NaN, then the sum).
+template <typename T>
+QSPEC_INLINE VerifyRowStats row_stats_impl(const T* __restrict__ logits, int64_t vocab, float temperature,
+                                           float* __restrict__ scratch) {
+  float lane_max[16];
+  bool lane_nan[16];
+  for (int j = 0; j < 16; ++j) {
+    lane_max[j] = -INFINITY;
+    lane_nan[j] = false;
+  }
+  int64_t v = 0;
+  for (; v + 16 <= vocab; v += 16)
+    for (int j = 0; j < 16; ++j) {
+      const float x = static_cast<float>(logits[v + j]);
+      scratch[v + j] = x;
+      lane_max[j] = x > lane_max[j] ? x : lane_max[j];
+      lane_nan[j] |= x != x;
+    }
+  float max = -INFINITY;
+  bool nan = false;
+  for (; v < vocab; ++v) {
+    const float x = static_cast<float>(logits[v]);
+    scratch[v] = x;
+    max = x > max ? x : max;
+    nan |= x != x;
+  }
+  for (int j = 0; j < 16; ++j) {
+    max = lane_max[j] > max ? lane_max[j] : max;
+    nan |= lane_nan[j];
+  }
+  VerifyRowStats r{};
+  r.argmax = ArgMax{nan ? NAN : max, 0};
+  for (int64_t u = 0; u < vocab; ++u)
+    if (nan ? scratch[u] != scratch[u] : scratch[u] == max) {
+      r.argmax.index = u;
+      break;
+    }
+  r.softmax = SoftmaxStats{-INFINITY, 0.f};
+  if (temperature > 0.f && !nan && max > -INFINITY) {
+    const float max_x = max / temperature;
+    float lane_sum[16] = {};
+    int64_t u = 0;
+    for (; u + 16 <= vocab; u += 16)
+      for (int j = 0; j < 16; ++j) lane_sum[j] += exp_nonpositive(scratch[u + j] / temperature - max_x);
+    float sum = 0.f;
+    for (; u < vocab; ++u) sum += exp_nonpositive(scratch[u] / temperature - max_x);
+    for (int j = 0; j < 16; ++j) sum += lane_sum[j];
+    r.softmax = SoftmaxStats{max_x, sum};
+  }
+  return r;
+}
+
+// Step 3: weights of one row into w[], returns their double sum (vectorizable).
+QSPEC_INLINE double row_weights_impl(const float* __restrict__ x, const float* __restrict__ q, int64_t vocab,
+                                     bool residual, SoftmaxStats stats, float* __restrict__ w) {
+  double lane[8] = {};
+  int64_t v = 0;
+  for (; v + 8 <= vocab; v += 8)
+    for (int j = 0; j < 8; ++j) {
+      w[v + j] = sample_weight(residual, stats, x[v + j], q == nullptr ? 0.f : q[v + j]);
+      lane[j] += w[v + j];
+    }
+  double total = 0.0;
+  for (; v < vocab; ++v) {
+    w[v] = sample_weight(residual, stats, x[v], q == nullptr ? 0.f : q[v]);
+    total += w[v];
+  }
+  for (int j = 0; j < 8; ++j) total += lane[j];
+  return total;
+}
+
+#define QSPEC_VERIFY_CLONES(T)                                                                               \
+  QSPEC_CPU_CLONES VerifyRowStats row_stats(const T* logits, int64_t vocab, float temperature, float* s) { \
+    return row_stats_impl(logits, vocab, temperature, s);                                                   \
+  }
+QSPEC_VERIFY_CLONES(float)
+QSPEC_VERIFY_CLONES(c10::Half)
+QSPEC_VERIFY_CLONES(c10::BFloat16)
+#undef QSPEC_VERIFY_CLONES
+
+QSPEC_CPU_CLONES double row_weights(const float* x, const float* q, int64_t vocab, bool residual, SoftmaxStats stats,
+                                    float* w) {
+  return row_weights_impl(x, q, vocab, residual, stats, w);
+}
+
+// The one draw of a row: inverse CDF at u * total, in target-id order.
+int64_t draw(const std::vector<float>& w, double total, double u) {
+  const double target = u * total;
+  double cumulative = 0.0;
+  int64_t last_positive = -1;
+  for (int64_t v = 0; v < static_cast<int64_t>(w.size()); ++v) {
+    if (w[v] <= 0.f) continue;
+    cumulative += w[v];
+    last_positive = v;
+    if (cumulative > target) return v;
+  }
+  return last_positive;  // rounding left target at the very end
+}
+
+template <typename T>
+void verify_cpu_impl(const VerifyParams<T>& p) {
+  const int rows_per_request = p.num_draft_max + 1;
+  const int64_t V = p.vocab;
+  // Step 1.
+  at::parallel_for(0, p.batch * rows_per_request, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(V);
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t b = r / rows_per_request;
+      const int i = static_cast<int>(r % rows_per_request);
+      const int n = num_draft_of(p, b);
+      if (i > n) continue;
+      const float temperature = temperature_of(p, b);
+      const T* logits = p.logits + b * p.logits_stride_b + i * p.logits_stride_i;
+      VerifyRowStats stats = row_stats(logits, V, temperature, scratch.data());
+      if (i < n && temperature > 0.f) {
+        const int64_t x = p.draft_ids[b * p.draft_stride + i * p.draft_col_stride];
+        stats.draft_logit = static_cast<float>(logits[x]) / temperature;
+        stats.draft_q = draft_q(p, b, i, x);
+      }
+      p.rows[r] = stats;
+    }
+  });
+  // Steps 2 and 3.
+  at::parallel_for(0, p.batch, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> x, q, w;
+    for (int64_t b = begin; b < end; ++b) {
+      const int n = num_draft_of(p, b);
+      const float temperature = temperature_of(p, b);
+      const VerifyRowStats* rows = p.rows + b * rows_per_request;
+      const int64_t* drafts = p.draft_ids + b * p.draft_stride;
+      const int64_t seed = p.seed != nullptr ? p.seed[b] : 0, offset = p.offset != nullptr ? p.offset[b] : 0;
+      VerifyDecision decision = decide_request(rows, drafts, p.draft_col_stride, n, temperature, seed, offset);
+      const int j = decision.accepted;
+      int64_t token = rows[j].argmax.index;
+      if (decision.emit != VerifyEmit::kArgmax) {
+        const T* logits = p.logits + b * p.logits_stride_b + j * p.logits_stride_i;
+        x.resize(V);
+        w.resize(V);
+        for (int64_t v = 0; v < V; ++v) x[v] = static_cast<float>(logits[v]) / temperature;
+        const float* q_row = nullptr;
+        if (decision.emit == VerifyEmit::kResidual) {
+          q.assign(V, 0.f);
+          if (p.draft_probs == nullptr) {
+            q[drafts[j * p.draft_col_stride]] = 1.f;
+          } else if (p.d2t == nullptr) {
+            for (int64_t v = 0; v < V; ++v) q[v] = draft_prob_at(p, b, j, v);
+          } else {
+            for (int64_t d = 0; d < p.draft_vocab; ++d) q[d + d2t_at(p, d)] = draft_prob_at(p, b, j, d);
+          }
+          q_row = q.data();
+        }
+        bool residual = decision.emit == VerifyEmit::kResidual;
+        double total = row_weights(x.data(), q_row, V, residual, rows[j].softmax, w.data());
+        if (residual && !(total > 0.0)) {  // p <= q everywhere: fall back to p itself
+          residual = false;
+          total = row_weights(x.data(), nullptr, V, false, rows[j].softmax, w.data());
+        }
+        token = draw(w, total, uniform_01(random_bits(seed, offset + j, kSampleUse)));
+      }
+      int64_t* out = p.out_ids + b * rows_per_request;
+      for (int i = 0; i < rows_per_request; ++i) out[i] = i < j ? drafts[i * p.draft_col_stride] : (i == j ? token : -1);
+      p.num_accepted[b] = j;
+    }
+  });
+}
+
+// Value checks done before any work; CUDA checks the same in its kernels.
+void check_verify_values(std::string_view op, const at::Tensor& draft_ids, const VerifyShape& s,
+                         const std::optional<at::Tensor>& num_draft, const std::optional<at::Tensor>& temperature,
+                         const std::optional<at::Tensor>& d2t) {
+  if (num_draft.has_value())
+    check_index_range(op, "num_draft", *num_draft, 0, s.num_draft_max + 1, "drafts per request, at most K");
+  const int64_t* ids = draft_ids.const_data_ptr<int64_t>();
+  for (int64_t b = 0; b < s.batch; ++b) {
+    const int64_t n = num_draft.has_value() ? read_index(*num_draft, b) : s.num_draft_max;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t x = ids[b * draft_ids.stride(0) + i * draft_ids.stride(1)];
+      QSPEC_CHECK(x >= 0 && x < s.vocab, op, "draft_ids", "must hold target-vocab ids in [0, ", s.vocab, "), got ",
+                  x, " at [", b, ", ", i, "]");
+    }
+  }
+  if (temperature.has_value()) {
+    const float* t = temperature->const_data_ptr<float>();
+    for (int64_t b = 0; b < s.batch; ++b)
+      QSPEC_CHECK(t[b] >= 0.f && t[b] < INFINITY, op, "temperature",
+                  "must hold finite values >= 0 (0 = greedy), got ", t[b], " at index ", b);
+  }
+  if (d2t.has_value()) {
+    for (int64_t d = 0; d < s.draft_vocab; ++d) {
+      const int64_t target = d + read_index(*d2t, d);
+      QSPEC_CHECK(target >= 0 && target < s.vocab, op, "d2t", "must map every draft id into [0, ", s.vocab,
+                  "), got draft id ", d, " -> ", target);
+    }
+  }
+}
+
+void verify_cpu(std::string_view op, const at::Tensor& draft_ids, const std::optional<at::Tensor>& draft_probs,
+                const at::Tensor& target_logits, const std::optional<at::Tensor>& temperature,
+                const std::optional<at::Tensor>& seed, const std::optional<at::Tensor>& offset,
+                const std::optional<at::Tensor>& d2t, const std::optional<at::Tensor>& num_draft,
+                const VerifyShape& s, at::Tensor& out_ids, at::Tensor& num_accepted) {
+  QSPEC_CHECK(target_logits.device().is_cpu(), op, "target_logits", "must be a CPU tensor for the CPU kernel, got ",
+              target_logits.device());
+  check_verify_values(op, draft_ids, s, num_draft, temperature, d2t);
+  if (s.batch == 0) return;
+  at::Tensor rows = at::empty({s.batch * (s.num_draft_max + 1) * static_cast<int64_t>(sizeof(VerifyRowStats))},
+                              target_logits.options().dtype(at::kByte));
+  QSPEC_DISPATCH_ACTIVATION(target_logits.scalar_type(), "verify_cpu", [&] {
+    VerifyParams<scalar_t> p{};
+    p.draft_ids = draft_ids.const_data_ptr<int64_t>();
+    p.draft_stride = draft_ids.stride(0);
+    p.draft_col_stride = draft_ids.stride(1);
+    p.logits = target_logits.const_data_ptr<scalar_t>();
+    p.logits_stride_b = target_logits.stride(0);
+    p.logits_stride_i = target_logits.stride(1);
+    if (s.has_probs) {
+      p.draft_probs = draft_probs->const_data_ptr();
+      p.probs_f32 = draft_probs->scalar_type() == at::kFloat;
+      p.probs_stride_b = draft_probs->stride(0);
+      p.probs_stride_i = draft_probs->stride(1);
+    }
+    if (s.has_d2t) {
+      p.d2t = d2t->const_data_ptr();
+      p.d2t_i64 = d2t->scalar_type() == at::kLong;
+    }
+    if (s.has_num_draft) {
+      p.num_draft = num_draft->const_data_ptr();
+      p.num_draft_i64 = num_draft->scalar_type() == at::kLong;
+    }
+    p.temperature = temperature.has_value() ? temperature->const_data_ptr<float>() : nullptr;
+    p.seed = seed.has_value() ? seed->const_data_ptr<int64_t>() : nullptr;
+    p.offset = offset.has_value() ? offset->const_data_ptr<int64_t>() : nullptr;
+    p.rows = reinterpret_cast<VerifyRowStats*>(rows.data_ptr());
+    p.out_ids = out_ids.data_ptr<int64_t>();
+    p.num_accepted = num_accepted.data_ptr<int64_t>();
+    p.batch = s.batch;
+    p.num_draft_max = s.num_draft_max;
+    p.vocab = s.vocab;
+    p.draft_vocab = s.draft_vocab;
+    verify_cpu_impl(p);
+  });
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> verify_greedy_cpu(const at::Tensor& draft_ids, const at::Tensor& target_logits,
+                                                     const std::optional<at::Tensor>& num_draft) {
+  constexpr std::string_view op = "verify_greedy";
+  const VerifyShape s = check_verify(op, draft_ids, target_logits, num_draft, {}, {}, {}, {}, {});
+  at::Tensor out_ids = at::empty({s.batch, s.num_draft_max + 1}, draft_ids.options());
+  at::Tensor num_accepted = at::empty({s.batch}, draft_ids.options());
+  verify_cpu(op, draft_ids, {}, target_logits, {}, {}, {}, {}, num_draft, s, out_ids, num_accepted);
+  return {out_ids, num_accepted};
+}
+
+void verify_greedy_out_cpu(const at::Tensor& draft_ids, const at::Tensor& target_logits,
+                           const std::optional<at::Tensor>& num_draft, at::Tensor& out_ids, at::Tensor& num_accepted) {
+  constexpr std::string_view op = "verify_greedy_out";
+  const VerifyShape s = check_verify(op, draft_ids, target_logits, num_draft, {}, {}, {}, {}, {});
+  check_verify_out(op, out_ids, num_accepted, s, target_logits);
+  verify_cpu(op, draft_ids, {}, target_logits, {}, {}, {}, {}, num_draft, s, out_ids, num_accepted);
+}
+
+std::tuple<at::Tensor, at::Tensor> verify_sampling_cpu(const at::Tensor& draft_ids,
+                                                       const std::optional<at::Tensor>& draft_probs,
+                                                       const at::Tensor& target_logits, const at::Tensor& temperature,
+                                                       const at::Tensor& seed, const at::Tensor& offset,
+                                                       const std::optional<at::Tensor>& d2t,
+                                                       const std::optional<at::Tensor>& num_draft) {
+  constexpr std::string_view op = "verify_sampling";
+  const VerifyShape s = check_verify(op, draft_ids, target_logits, num_draft, draft_probs, temperature, seed, offset, d2t);
+  at::Tensor out_ids = at::empty({s.batch, s.num_draft_max + 1}, draft_ids.options());
+  at::Tensor num_accepted = at::empty({s.batch}, draft_ids.options());
+  verify_cpu(op, draft_ids, draft_probs, target_logits, temperature, seed, offset, d2t, num_draft, s, out_ids,
+             num_accepted);
+  return {out_ids, num_accepted};
+}
+
+void verify_sampling_out_cpu(const at::Tensor& draft_ids, const std::optional<at::Tensor>& draft_probs,
+                             const at::Tensor& target_logits, const at::Tensor& temperature, const at::Tensor& seed,
+                             const at::Tensor& offset, const std::optional<at::Tensor>& d2t,
+                             const std::optional<at::Tensor>& num_draft, at::Tensor& out_ids,
+                             at::Tensor& num_accepted) {
+  constexpr std::string_view op = "verify_sampling_out";
+  const VerifyShape s = check_verify(op, draft_ids, target_logits, num_draft, draft_probs, temperature, seed, offset, d2t);
+  check_verify_out(op, out_ids, num_accepted, s, target_logits);
+  verify_cpu(op, draft_ids, draft_probs, target_logits, temperature, seed, offset, d2t, num_draft, s, out_ids,
+             num_accepted);
+}
+
+TORCH_LIBRARY_IMPL(qspec_ext, CPU, m) {
+  m.impl("verify_greedy", &verify_greedy_cpu);
+  m.impl("verify_greedy_out", &verify_greedy_out_cpu);
+  m.impl("verify_sampling", &verify_sampling_cpu);
+  m.impl("verify_sampling_out", &verify_sampling_out_cpu);
+}
+
+}  // namespace qspec_ext

@@ -1,0 +1,245 @@
+// Shared math of draft verification: the counter-based random numbers, the per-row
+// softmax statistics and the accept / sample rules. CPU and CUDA kernels use exactly
+// these functions, so they draw the same random numbers and make the same decisions.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "qspec_ext/norm_rope.h"  // QSPEC_HOST_DEVICE
+
+namespace qspec_ext {
+
+// Most draft tokens one verification accepts per request.
+constexpr int kMaxDraftTokens = 32;
+
+// ---- math with the same bits on host and device ----
+// Explicit fused multiply-adds (no compiler contraction choices) and a polynomial exp, so
+// the CPU kernels vectorize and compute what the CUDA kernels compute.
+
+QSPEC_HOST_DEVICE float fma_f(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return fmaf(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
+
+QSPEC_HOST_DEVICE float float_from_bits(int32_t bits) {
+#if defined(__CUDA_ARCH__)
+  return __int_as_float(bits);
+#else
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+#endif
+}
+
+// exp(x) for x <= 0 (0 below -87 and for -inf), within 2 ulp: Cephes' expf polynomial
+// after reduction by ln 2.
+QSPEC_HOST_DEVICE float exp_nonpositive(float x) {
+  const float t = x < -87.f ? -87.f : x;
+  const float n = fma_f(t, 1.44269504088896341f, 12582912.f) - 12582912.f;  // round(t / ln 2)
+  float r = fma_f(n, -0.693359375f, t);
+  r = fma_f(n, 2.12194440e-4f, r);
+  float p = 1.9875691500e-4f;
+  p = fma_f(p, r, 1.3981999507e-3f);
+  p = fma_f(p, r, 8.3334519073e-3f);
+  p = fma_f(p, r, 4.1665795894e-2f);
+  p = fma_f(p, r, 1.6666665459e-1f);
+  p = fma_f(p, r, 5.0000001201e-1f);
+  p = fma_f(p, r * r, r + 1.f);
+  const float scale = float_from_bits((static_cast<int32_t>(n) + 127) << 23);
+  return x < -87.f ? 0.f : p * scale;
+}
+
+QSPEC_HOST_DEVICE bool is_finite(float x) { return x == x && x - x == 0.f; }
+
+// ---- Philox-4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3") ----
+
+struct Philox4 {
+  uint32_t v[4];
+};
+
+QSPEC_HOST_DEVICE void philox_mulhilo(uint32_t a, uint32_t b, uint32_t& hi, uint32_t& lo) {
+  const uint64_t product = static_cast<uint64_t>(a) * b;
+  hi = static_cast<uint32_t>(product >> 32);
+  lo = static_cast<uint32_t>(product);
+}
+
+QSPEC_HOST_DEVICE Philox4 philox4x32_10(Philox4 counter, uint32_t key0, uint32_t key1) {
+  constexpr uint32_t kMul0 = 0xD2511F53u, kMul1 = 0xCD9E8D57u;
+  constexpr uint32_t kWeyl0 = 0x9E3779B9u, kWeyl1 = 0xBB67AE85u;
+  for (int round = 0; round < 10; ++round) {
+    uint32_t hi0, lo0, hi1, lo1;
+    philox_mulhilo(kMul0, counter.v[0], hi0, lo0);
+    philox_mulhilo(kMul1, counter.v[2], hi1, lo1);
+    counter = Philox4{{hi1 ^ counter.v[1] ^ key0, lo1, hi0 ^ counter.v[3] ^ key1, lo0}};
+    key0 += kWeyl0;
+    key1 += kWeyl1;
+  }
+  return counter;
+}
+
+// The random stream is keyed only by (seed, position, use): position is offset + row (the
+// absolute token position when the caller passes it as offset); use tells the acceptance
+// uniform from the sampling uniform. Replays reproduce; grouping into steps does not matter.
+constexpr uint32_t kAcceptUse = 0;
+constexpr uint32_t kSampleUse = 1;
+
+QSPEC_HOST_DEVICE uint64_t random_bits(int64_t seed, int64_t position, uint32_t use) {
+  const uint64_t s = static_cast<uint64_t>(seed), p = static_cast<uint64_t>(position);
+  const Philox4 out = philox4x32_10(
+      Philox4{{use, static_cast<uint32_t>(p), static_cast<uint32_t>(p >> 32), 0x5eed0001u}},
+      static_cast<uint32_t>(s), static_cast<uint32_t>(s >> 32));
+  return (static_cast<uint64_t>(out.v[0]) << 32) | out.v[1];
+}
+
+// Uniform in [0, 1) with 53 random bits (exactly 0 is possible; see accept_draft).
+QSPEC_HOST_DEVICE double uniform_01(uint64_t bits) { return static_cast<double>(bits >> 11) * 0x1.0p-53; }
+
+// ---- per-row statistics ----
+
+// The running argmax with torch.argmax semantics: the first NaN wins, else the largest
+// value, ties to the lowest index.
+struct ArgMax {
+  float value;
+  int64_t index;
+};
+
+QSPEC_HOST_DEVICE bool argmax_prefers(float value, int64_t index, const ArgMax& current) {
+  const bool nan = value != value, current_nan = current.value != current.value;
+  if (nan || current_nan) return nan && (!current_nan || index < current.index);
+  return value > current.value || (value == current.value && index < current.index);
+}
+
+QSPEC_HOST_DEVICE void argmax_update(ArgMax& current, float value, int64_t index) {
+  if (argmax_prefers(value, index, current)) current = ArgMax{value, index};
+}
+
+// Online softmax statistics of logits / temperature: max and sum of exp(x - max).
+struct SoftmaxStats {
+  float max;
+  float sum;
+};
+
+QSPEC_HOST_DEVICE void softmax_update(SoftmaxStats& s, float x) {
+  if (x > s.max) {
+    s.sum = s.sum * exp_nonpositive(s.max - x) + 1.f;
+    s.max = x;
+  } else if (x > -INFINITY) {
+    s.sum += exp_nonpositive(x - s.max);
+  }
+}
+
+QSPEC_HOST_DEVICE SoftmaxStats softmax_merge(SoftmaxStats a, SoftmaxStats b) {
+  if (b.max > a.max) {
+    const SoftmaxStats t = a;
+    a = b;
+    b = t;
+  }
+  if (b.max > -INFINITY) a.sum += b.sum * exp_nonpositive(b.max - a.max);
+  return a;
+}
+
+// A row gives a distribution only if it has a finite maximum (no NaN, not all -inf).
+QSPEC_HOST_DEVICE bool softmax_valid(const SoftmaxStats& s) {
+  return is_finite(s.max) && is_finite(s.sum) && s.sum > 0.f;
+}
+
+// p(v) from the scaled logit x = logit / temperature.
+QSPEC_HOST_DEVICE float softmax_prob(const SoftmaxStats& s, float x) { return exp_nonpositive(x - s.max) / s.sum; }
+
+// Accept a draft with probability min(1, p / q); never when p or q is 0 (a uniform of
+// exactly 0 included).
+QSPEC_HOST_DEVICE bool accept_draft(float p, float q, double u) {
+  return p > 0.f && q > 0.f && u * static_cast<double>(q) < static_cast<double>(p);
+}
+
+// The weight of target id v in the one sampling draw of a row (unnormalized): p for the
+// bonus token, max(0, p - q) after a rejection. x is logit / temperature.
+QSPEC_HOST_DEVICE float sample_weight(bool residual, const SoftmaxStats& s, float x, float q) {
+  const float unnormalized = exp_nonpositive(x - s.max);
+  if (!residual) return unnormalized;
+  const float w = unnormalized / s.sum - q;
+  return w > 0.f ? w : 0.f;
+}
+
+}  // namespace qspec_ext
+
+namespace qspec_ext {
+
+// What pass 1 learns about one target row (b, i).
+struct VerifyRowStats {
+  ArgMax argmax;         // over the raw logits
+  SoftmaxStats softmax;  // of logits / temperature (sampling rows only)
+  float draft_logit;     // logits[draft_ids[i]] / temperature (i < num_draft)
+  float draft_q;         // q(draft_ids[i]): 1 for argmax drafts, 0 if outside the draft vocabulary
+};
+
+enum class VerifyEmit : int {
+  kArgmax = 0,    // greedy row, or a degenerate row (NaN / all -inf): torch.argmax of the logits
+  kTarget = 1,    // all drafts accepted at temperature > 0: sample the bonus token from p
+  kResidual = 2,  // rejection at temperature > 0: sample from normalize(max(0, p - q))
+};
+
+struct VerifyDecision {
+  int accepted;  // drafts kept; the emitted token goes to row `accepted`
+  VerifyEmit emit;
+};
+
+QSPEC_HOST_DEVICE bool row_has_distribution(const VerifyRowStats& r) {
+  return r.argmax.value == r.argmax.value && softmax_valid(r.softmax);
+}
+
+// Walks the drafts of one request in order; the same rule on every device.
+QSPEC_HOST_DEVICE VerifyDecision decide_request(const VerifyRowStats* rows, const int64_t* draft_ids,
+                                                int64_t draft_col_stride, int num_draft, float temperature, int64_t seed,
+                                                int64_t offset) {
+  if (temperature == 0.f) {
+    for (int i = 0; i < num_draft; ++i)
+      if (draft_ids[i * draft_col_stride] != rows[i].argmax.index) return {i, VerifyEmit::kArgmax};
+    return {num_draft, VerifyEmit::kArgmax};
+  }
+  for (int i = 0; i < num_draft; ++i) {
+    if (!row_has_distribution(rows[i])) return {i, VerifyEmit::kArgmax};
+    const float p = softmax_prob(rows[i].softmax, rows[i].draft_logit);
+    const double u = uniform_01(random_bits(seed, offset + i, kAcceptUse));
+    if (!accept_draft(p, rows[i].draft_q, u)) return {i, VerifyEmit::kResidual};
+  }
+  return {num_draft, row_has_distribution(rows[num_draft]) ? VerifyEmit::kTarget : VerifyEmit::kArgmax};
+}
+
+}  // namespace qspec_ext
+
+namespace qspec_ext {
+
+// Raw pointers and strides of one verification. T is the logits dtype.
+template <typename T>
+struct VerifyParams {
+  const int64_t* draft_ids;  // [B, K] (target-vocab ids), strides (draft_stride, draft_col_stride)
+  int64_t draft_stride, draft_col_stride;
+  const T* logits;  // [B, K+1, V], strides (logits_stride_b, logits_stride_i, 1)
+  int64_t logits_stride_b, logits_stride_i;
+  const void* draft_probs;  // [B, K, Vq] fp32 or T, or nullptr (argmax drafts: q one-hot)
+  bool probs_f32;
+  int64_t probs_stride_b, probs_stride_i;
+  const void* d2t;  // [Vq] offsets: draft id d is target id d + d2t[d]; nullptr when Vq == V
+  bool d2t_i64;
+  const void* num_draft;  // [B] or nullptr (every request has K drafts)
+  bool num_draft_i64;
+  const float* temperature;  // [B] or nullptr (all greedy); 0 = greedy row
+  const int64_t* seed;       // [B]
+  const int64_t* offset;     // [B]
+  VerifyRowStats* rows;      // workspace [B, K+1]
+  float* q_dense;            // workspace [B, V] when d2t is given (q over target ids)
+  int64_t* out_ids;          // [B, K+1]
+  int64_t* num_accepted;     // [B]
+  int64_t batch;
+  int num_draft_max;  // K
+  int64_t vocab;      // V
+  int64_t draft_vocab;  // Vq
+};
+
+}  // namespace qspec_ext

@@ -1,0 +1,35 @@
+"""Logits processing for verify_sampling: top-k / top-p applied per request by masking to -inf."""
+
+import torch
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Returns logits ``[B, ..., V]`` with tokens outside each request's top-k / top-p set at -inf.
+
+    top_k: ``[B]`` int (0 or >= V keeps all); top_p: ``[B]`` float in (0, 1] (1 keeps all). The
+    top-p set is the smallest set of most likely tokens whose probability (softmax of the
+    logits as given, so divide by the temperature first) reaches top_p; top-k applies first.
+    Ties at the boundary are kept. No host synchronization.
+    """
+    if top_k is None and top_p is None:
+        return logits
+    batch, vocab = logits.shape[0], logits.shape[-1]
+    view = (batch,) + (1,) * (logits.dim() - 1)
+    sorted_logits, _ = logits.sort(dim=-1, descending=True)
+    keep_threshold = torch.full(logits.shape[:-1] + (1,), float("-inf"), dtype=logits.dtype, device=logits.device)
+    if top_k is not None:
+        k = top_k.to(torch.long).clamp(min=0).view(view)
+        k = torch.where((k <= 0) | (k >= vocab), torch.full_like(k, vocab), k)
+        kth = sorted_logits.gather(-1, (k - 1).expand(*logits.shape[:-1], 1))
+        keep_threshold = torch.maximum(keep_threshold, kth)
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if top_p is not None:
+        probs = sorted_logits.float().softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass of the more likely tokens
+        p = top_p.to(torch.float32).view(view)
+        last = (before < p).sum(dim=-1, keepdim=True).clamp(min=1) - 1  # index of the last kept token
+        pth = sorted_logits.gather(-1, last)
+        keep_threshold = torch.maximum(keep_threshold, pth)
+    return logits.masked_fill(logits < keep_threshold, float("-inf"))
