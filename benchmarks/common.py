@@ -51,15 +51,17 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-time", type=float, default=0.3, help="seconds of timed calls per measurement")
 
 
-def time_fn(fn: Callable[[], object], device: str, min_time: float = 0.3, max_samples: int = 2000) -> Timing:
-    """Median/p20/p80 latency of fn() in microseconds."""
+def time_fn(
+    fn: Callable[[], object], device: str, min_time: float = 0.3, max_samples: int = 2000, min_samples: int = 10
+) -> Timing:
+    """Median/p20/p80 latency of fn() in microseconds, over at least min_samples calls."""
     is_cuda = device.startswith("cuda")
     flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device=device) if is_cuda else None
-    for _ in range(3):
+    for _ in range(min(3, min_samples)):
         fn()
     samples: list[float] = []
     deadline = time.perf_counter() + min_time
-    while len(samples) < max_samples and (len(samples) < 10 or time.perf_counter() < deadline):
+    while len(samples) < max_samples and (len(samples) < min_samples or time.perf_counter() < deadline):
         if is_cuda:
             flush.zero_()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -52,52 +52,67 @@ float draft_q(const VerifyParams<T>& p, int64_t b, int i, int64_t x) {
   return 0.f;  // outside the draft vocabulary
 }
 
-// Step 1 for one row: vectorizable passes over the logits (max and NaN, then the sum).
+// Step 1 for one row: vectorizable passes over the logits (max and NaN; the argmax
+// position; the softmax sum), each reading the row from cache after the first.
 template <typename T>
-QSPEC_INLINE VerifyRowStats row_stats_impl(const T* __restrict__ logits, int64_t vocab, float temperature,
-                                           float* __restrict__ scratch) {
+QSPEC_INLINE VerifyRowStats row_stats_impl(const T* __restrict__ logits, int64_t vocab, float temperature) {
+  // The max (and whether a NaN is present) in a vectorizable pass, then the position of
+  // its first occurrence, searched a block at a time.
   float lane_max[16];
-  bool lane_nan[16];
+  int32_t lane_nan[16];
   for (int j = 0; j < 16; ++j) {
     lane_max[j] = -INFINITY;
-    lane_nan[j] = false;
+    lane_nan[j] = 0;
   }
   int64_t v = 0;
   for (; v + 16 <= vocab; v += 16)
     for (int j = 0; j < 16; ++j) {
       const float x = static_cast<float>(logits[v + j]);
-      scratch[v + j] = x;
       lane_max[j] = x > lane_max[j] ? x : lane_max[j];
-      lane_nan[j] |= x != x;
+      lane_nan[j] += x != x;
     }
   float max = -INFINITY;
   bool nan = false;
   for (; v < vocab; ++v) {
     const float x = static_cast<float>(logits[v]);
-    scratch[v] = x;
     max = x > max ? x : max;
     nan |= x != x;
   }
   for (int j = 0; j < 16; ++j) {
     max = lane_max[j] > max ? lane_max[j] : max;
-    nan |= lane_nan[j];
+    nan |= lane_nan[j] != 0;
+  }
+  ArgMax best{nan ? NAN : max, 0};  // all -inf: torch.argmax gives 0
+  constexpr int64_t kBlock = 64;
+  for (int64_t start = 0; start < vocab; start += kBlock) {
+    const int64_t stop = std::min(vocab, start + kBlock);
+    int32_t hits = 0;
+    for (int64_t u = start; u < stop; ++u) {
+      const float x = static_cast<float>(logits[u]);
+      hits += nan ? x != x : x == max;
+    }
+    if (hits == 0) continue;
+    for (int64_t u = start; u < stop; ++u) {
+      const float x = static_cast<float>(logits[u]);
+      if (nan ? x != x : x == max) {
+        best.index = u;
+        break;
+      }
+    }
+    break;
   }
   VerifyRowStats r{};
-  r.argmax = ArgMax{nan ? NAN : max, 0};
-  for (int64_t u = 0; u < vocab; ++u)
-    if (nan ? scratch[u] != scratch[u] : scratch[u] == max) {
-      r.argmax.index = u;
-      break;
-    }
+  r.argmax = best;
   r.softmax = SoftmaxStats{-INFINITY, 0.f};
   if (temperature > 0.f && !nan && max > -INFINITY) {
     const float max_x = max / temperature;
     float lane_sum[16] = {};
     int64_t u = 0;
     for (; u + 16 <= vocab; u += 16)
-      for (int j = 0; j < 16; ++j) lane_sum[j] += exp_nonpositive(scratch[u + j] / temperature - max_x);
+      for (int j = 0; j < 16; ++j)
+        lane_sum[j] += exp_nonpositive(static_cast<float>(logits[u + j]) / temperature - max_x);
     float sum = 0.f;
-    for (; u < vocab; ++u) sum += exp_nonpositive(scratch[u] / temperature - max_x);
+    for (; u < vocab; ++u) sum += exp_nonpositive(static_cast<float>(logits[u]) / temperature - max_x);
     for (int j = 0; j < 16; ++j) sum += lane_sum[j];
     r.softmax = SoftmaxStats{max_x, sum};
   }
@@ -105,27 +120,23 @@ QSPEC_INLINE VerifyRowStats row_stats_impl(const T* __restrict__ logits, int64_t
 }
 
 // Step 3: weights of one row into w[], returns their double sum (vectorizable).
+template <bool kResidual>
 QSPEC_INLINE double row_weights_impl(const float* __restrict__ x, const float* __restrict__ q, int64_t vocab,
-                                     bool residual, SoftmaxStats stats, float* __restrict__ w) {
+                                     SoftmaxStats stats, float* __restrict__ w) {
+  for (int64_t v = 0; v < vocab; ++v) w[v] = sample_weight(kResidual, stats, x[v], kResidual ? q[v] : 0.f);
   double lane[8] = {};
   int64_t v = 0;
   for (; v + 8 <= vocab; v += 8)
-    for (int j = 0; j < 8; ++j) {
-      w[v + j] = sample_weight(residual, stats, x[v + j], q == nullptr ? 0.f : q[v + j]);
-      lane[j] += w[v + j];
-    }
+    for (int j = 0; j < 8; ++j) lane[j] += w[v + j];
   double total = 0.0;
-  for (; v < vocab; ++v) {
-    w[v] = sample_weight(residual, stats, x[v], q == nullptr ? 0.f : q[v]);
-    total += w[v];
-  }
+  for (; v < vocab; ++v) total += w[v];
   for (int j = 0; j < 8; ++j) total += lane[j];
   return total;
 }
 
 #define QSPEC_VERIFY_CLONES(T)                                                                               \
-  QSPEC_CPU_CLONES VerifyRowStats row_stats(const T* logits, int64_t vocab, float temperature, float* s) { \
-    return row_stats_impl(logits, vocab, temperature, s);                                                   \
+  QSPEC_CPU_CLONES VerifyRowStats row_stats(const T* logits, int64_t vocab, float temperature) { \
+    return row_stats_impl(logits, vocab, temperature);                                              \
   }
 QSPEC_VERIFY_CLONES(float)
 QSPEC_VERIFY_CLONES(c10::Half)
@@ -134,19 +145,36 @@ QSPEC_VERIFY_CLONES(c10::BFloat16)
 
 QSPEC_CPU_CLONES double row_weights(const float* x, const float* q, int64_t vocab, bool residual, SoftmaxStats stats,
                                     float* w) {
-  return row_weights_impl(x, q, vocab, residual, stats, w);
+  return residual ? row_weights_impl<true>(x, q, vocab, stats, w) : row_weights_impl<false>(x, q, vocab, stats, w);
 }
 
-// The one draw of a row: inverse CDF at u * total, in target-id order.
+// The one draw of a row: inverse CDF at u * total, in target-id order, skipping whole
+// blocks of the vocab while the running sum stays below the target.
 int64_t draw(const std::vector<float>& w, double total, double u) {
   const double target = u * total;
+  const int64_t vocab = static_cast<int64_t>(w.size());
+  constexpr int64_t kBlock = 256;
   double cumulative = 0.0;
   int64_t last_positive = -1;
-  for (int64_t v = 0; v < static_cast<int64_t>(w.size()); ++v) {
-    if (w[v] <= 0.f) continue;
-    cumulative += w[v];
-    last_positive = v;
-    if (cumulative > target) return v;
+  for (int64_t start = 0; start < vocab; start += kBlock) {
+    const int64_t stop = std::min(vocab, start + kBlock);
+    double block = 0.0;
+    for (int64_t v = start; v < stop; ++v) block += w[v];
+    if (block > 0.0 && cumulative + block <= target) {
+      cumulative += block;
+      for (int64_t v = stop - 1; v >= start; --v)
+        if (w[v] > 0.f) {
+          last_positive = v;
+          break;
+        }
+      continue;
+    }
+    for (int64_t v = start; v < stop; ++v) {
+      if (w[v] <= 0.f) continue;
+      cumulative += w[v];
+      last_positive = v;
+      if (cumulative > target) return v;
+    }
   }
   return last_positive;  // rounding left target at the very end
 }
@@ -157,7 +185,6 @@ void verify_cpu_impl(const VerifyParams<T>& p) {
   const int64_t V = p.vocab;
   // Step 1.
   at::parallel_for(0, p.batch * rows_per_request, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(V);
     for (int64_t r = begin; r < end; ++r) {
       const int64_t b = r / rows_per_request;
       const int i = static_cast<int>(r % rows_per_request);
@@ -165,7 +192,7 @@ void verify_cpu_impl(const VerifyParams<T>& p) {
       if (i > n) continue;
       const float temperature = temperature_of(p, b);
       const T* logits = p.logits + b * p.logits_stride_b + i * p.logits_stride_i;
-      VerifyRowStats stats = row_stats(logits, V, temperature, scratch.data());
+      VerifyRowStats stats = row_stats(logits, V, temperature);
       if (i < n && temperature > 0.f) {
         const int64_t x = p.draft_ids[b * p.draft_stride + i * p.draft_col_stride];
         stats.draft_logit = static_cast<float>(logits[x]) / temperature;

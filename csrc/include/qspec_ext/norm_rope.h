@@ -6,6 +6,8 @@
 
 #if defined(__CUDACC__)
 #define QSPEC_HOST_DEVICE __host__ __device__ __forceinline__
+#elif defined(__GNUC__)
+#define QSPEC_HOST_DEVICE inline __attribute__((always_inline))  // inlined into the vectorized CPU loops
 #else
 #define QSPEC_HOST_DEVICE inline
 #endif
