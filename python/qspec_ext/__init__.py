@@ -8,6 +8,7 @@ import torch
 
 from . import _C, ops, reference
 from .aux import AuxHiddenCapture, default_aux_layer_ids
+from .models import Eagle3Config, Eagle3Drafter
 from .ops import (
     eagle3_input_norm,
     fused_add_rms_norm_,
@@ -27,6 +28,8 @@ __version__ = _C.version
 
 __all__ = [
     "AuxHiddenCapture",
+    "Eagle3Config",
+    "Eagle3Drafter",
     "apply_top_k_top_p",
     "build_info",
     "default_aux_layer_ids",

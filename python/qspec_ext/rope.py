@@ -1,6 +1,51 @@
-"""RoPE cos/sin tables in the layout the kernels read."""
+"""RoPE: inverse frequencies (with the scaling types checkpoints ask for) and cos/sin tables
+in the layout the kernels read."""
+
+import math
 
 import torch
+
+
+def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict | None = None) -> tuple[torch.Tensor, float]:
+    """Returns ``(inv_freq [rotary_dim // 2] fp64, attention_factor)`` for a RoPE config.
+
+    scaling (HF ``rope_scaling`` / ``rope_parameters`` without the theta): None or
+    ``rope_type`` "default"; "linear" (``factor``); "llama3" (``factor``, ``low_freq_factor``,
+    ``high_freq_factor``, ``original_max_position_embeddings``); "yarn" (``factor``,
+    ``original_max_position_embeddings``, ``beta_fast`` = 32, ``beta_slow`` = 1,
+    ``attention_factor``, default 0.1 ln(factor) + 1). attention_factor scales cos and sin.
+    """
+    if rotary_dim <= 0 or rotary_dim % 2:
+        raise ValueError(f"rope_inv_freq: rotary_dim must be a positive even number, got {rotary_dim}")
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return inv_freq, 1.0
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return inv_freq / factor, 1.0
+    original = float(scaling.get("original_max_position_embeddings", 8192))
+    if kind == "llama3":
+        low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (original / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+        medium = (wavelen <= original / low) & (wavelen >= original / high)
+        return torch.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled), 1.0
+    if kind == "yarn":
+        beta_fast, beta_slow = float(scaling.get("beta_fast", 32)), float(scaling.get("beta_slow", 1))
+
+        def correction_dim(rotations: float) -> float:
+            return (rotary_dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+        low = max(math.floor(correction_dim(beta_fast)), 0)
+        high = min(math.ceil(correction_dim(beta_slow)), rotary_dim - 1)
+        ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)).clamp(0, 1)
+        extrapolation = 1 - ramp
+        inv = inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation
+        attention = scaling.get("attention_factor")
+        return inv, float(attention) if attention is not None else 0.1 * math.log(factor) + 1.0
+    raise ValueError(f"rope_inv_freq: unsupported rope_type {kind!r} (default, linear, llama3, yarn)")
 
 
 def rope_cos_sin_cache(
@@ -9,23 +54,14 @@ def rope_cos_sin_cache(
     theta: float = 1_000_000.0,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
-    inv_freq: torch.Tensor | None = None,
+    scaling: dict | None = None,
 ) -> torch.Tensor:
     """Returns ``[max_position, rotary_dim]``: cos of each angle in the first half, sin in the second.
 
-    Angles are ``position * inv_freq`` with ``inv_freq = theta ** (-2i / rotary_dim)``
-    unless ``inv_freq`` (``[rotary_dim // 2]``, e.g. from a scaled RoPE) is given.
-    Computed in fp32 (fp64 for the angles), then cast to ``dtype``.
+    Angles are ``position * inv_freq`` (see :func:`rope_inv_freq`), computed in fp64, then
+    cast to ``dtype``.
     """
-    if rotary_dim <= 0 or rotary_dim % 2:
-        raise ValueError(f"rope_cos_sin_cache: rotary_dim must be a positive even number, got {rotary_dim}")
-    if inv_freq is None:
-        exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
-        inv_freq = 1.0 / (theta**exponents)
-    elif inv_freq.shape != (rotary_dim // 2,):
-        raise ValueError(
-            f"rope_cos_sin_cache: inv_freq must have shape [{rotary_dim // 2}], got {list(inv_freq.shape)}"
-        )
-    angles = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq.to(torch.float64))
-    cache = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    inv_freq, attention_factor = rope_inv_freq(rotary_dim, theta, scaling)
+    angles = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq)
+    cache = torch.cat([angles.cos(), angles.sin()], dim=-1) * attention_factor
     return cache.to(dtype=dtype, device=device)

@@ -1,0 +1,67 @@
+"""Reading and writing checkpoint directories: safetensors (memory-mapped, maybe sharded) or
+pytorch_model.bin, with errors that name the file and the key."""
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded as asked; the message names the file and key."""
+
+
+def read_config(directory: Path) -> dict:
+    path = directory / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no config.json in the checkpoint directory")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = directory / index_name
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise CheckpointError(f"{index}: not a shard index with a 'weight_map' ({e})") from e
+            return [directory / name for name in sorted(set(weight_map.values()))]
+    for name in ("model.safetensors", "pytorch_model.bin"):
+        if (directory / name).is_file():
+            return [directory / name]
+    raise CheckpointError(f"{directory}: no model.safetensors, pytorch_model.bin or shard index found")
+
+
+def load_tensors(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
+    """All tensors of a checkpoint directory (safetensors memory-mapped) and the file of each key."""
+    directory = Path(directory)
+    tensors: dict[str, torch.Tensor] = {}
+    origin: dict[str, Path] = {}
+    for path in _weight_files(directory):
+        if not path.is_file():
+            raise CheckpointError(f"{path}: shard listed in the index is missing")
+        try:
+            if path.suffix == ".safetensors":
+                with safe_open(str(path), framework="pt") as f:
+                    part = {key: f.get_tensor(key) for key in f.keys()}
+            else:
+                part = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:  # safetensors and torch.load raise several types for a damaged file
+            raise CheckpointError(f"{path}: cannot read the weights (truncated or corrupt file?): {e}") from e
+        for key, value in part.items():
+            tensors[key] = value
+            origin[key] = path
+    return tensors, origin
+
+
+def save_tensors(directory: str | Path, tensors: dict[str, torch.Tensor], config: dict) -> None:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(directory / "model.safetensors"))

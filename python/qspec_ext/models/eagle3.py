@@ -1,0 +1,462 @@
+"""The EAGLE-3 drafter (Qwen3 or Llama decoder layers) on the qspec_ext ops.
+
+Forward pass (../shared/docs/eagle3.md section 2), per token pair (target feature, next token):
+
+    g = concat(aux features)                      normalized by fc_norm / norm_before_fc
+    x = fc(g)                                     (draft steps after the first reuse x_next)
+    u, resid = cat(RMSNorm(embed(y)), RMSNorm(x)), x or RMSNorm(x)     layer 0
+    q, k, v = u W^T; per-head q/k RMSNorm (qwen3); RoPE; KV-cache write
+    h = resid + o_proj(attention); h = h + MLP(RMSNorm(h)); more decoder layers
+    z = RMSNorm(h); logits = lm_head(z); x_next = z if norm_output else h
+
+Pairs sit at position t (vLLM's convention). The KV cache is static and per request;
+a rollback is just the next write at an earlier position (attention is masked by position).
+"""
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import ops, reference
+from ..rope import rope_cos_sin_cache
+from .checkpoint import CheckpointError, load_tensors, read_config, save_tensors
+
+logger = logging.getLogger(__name__)
+
+FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+
+
+@dataclass
+class Eagle3Config:
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    num_hidden_layers: int = 1
+    arch: str = "qwen3"  # "qwen3" (q_norm / k_norm per head) or "llama"
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 40960
+    num_aux: int = 3  # aux layers feeding fc (fc input num_aux * hidden_size)
+    aux_layer_ids: list[int] | None = None  # None: the target's defaults
+    norm_before_residual: bool = False
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
+    layer_types: list[str] | None = None  # "full_attention" | "sliding_attention" per layer
+    sliding_window: int | None = None
+    speculative_tokens: int = 3
+    extra: dict = field(default_factory=dict, repr=False)  # speculators fields kept for save_pretrained
+
+    def __post_init__(self):
+        if self.arch not in ("qwen3", "llama"):
+            raise ValueError(f"Eagle3Config: arch must be 'qwen3' or 'llama', got {self.arch!r}")
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError("Eagle3Config: norm_before_fc and fc_norm are mutually exclusive (one norm before fc)")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"Eagle3Config: num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"Eagle3Config: draft_vocab_size must be in [1, vocab_size={self.vocab_size}], got {self.draft_vocab_size}"
+            )
+        if self.num_hidden_layers < 1 or not 1 <= self.num_aux <= 8:
+            raise ValueError("Eagle3Config: need at least 1 decoder layer and 1 to 8 aux layers")
+        if self.aux_layer_ids is not None and len(self.aux_layer_ids) != self.num_aux:
+            raise ValueError(
+                f"Eagle3Config: {len(self.aux_layer_ids)} aux_layer_ids for num_aux={self.num_aux}"
+            )
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError("Eagle3Config: layer_types must have one entry per decoder layer")
+            if "sliding_attention" in self.layer_types and not self.sliding_window:
+                raise ValueError("Eagle3Config: sliding_attention layers need sliding_window")
+
+    def window(self, layer: int) -> int | None:
+        if self.layer_types is not None and self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    # ---- speculators format ----
+    @classmethod
+    def from_speculators(cls, cfg: dict, source: str = "config.json") -> "Eagle3Config":
+        layer = cfg.get("transformer_layer_config")
+        if not isinstance(layer, dict):
+            raise CheckpointError(f"{source}: speculators config without a 'transformer_layer_config'")
+        arch = layer.get("model_type")
+        if arch not in ("qwen3", "llama"):
+            raise CheckpointError(
+                f"{source}: unknown draft architecture transformer_layer_config.model_type={arch!r} "
+                "(supported: qwen3, llama)"
+            )
+        assumed = [name for name in FLAGS if name not in cfg]
+        if assumed:
+            logger.info("%s: flags %s missing, assumed False (the speculators class defaults)", source, assumed)
+        aux = cfg.get("eagle_aux_hidden_state_layer_ids")
+        proposals = (cfg.get("speculators_config") or {}).get("proposal_methods") or [{}]
+        return cls(
+            **_layer_fields(layer, source),
+            arch=arch,
+            vocab_size=int(layer["vocab_size"]),
+            draft_vocab_size=int(cfg.get("draft_vocab_size", layer["vocab_size"])),
+            num_aux=len(aux) if aux else 3,
+            aux_layer_ids=list(aux) if aux else None,
+            speculative_tokens=int(proposals[0].get("speculative_tokens", 3)),
+            extra={k: v for k, v in cfg.items() if k in ("speculators_config", "speculators_version")},
+            **{name: bool(cfg.get(name, False)) for name in FLAGS},
+        )
+
+    def to_speculators(self) -> dict:
+        layer = {
+            "model_type": self.arch,
+            "architectures": ["Qwen3ForCausalLM" if self.arch == "qwen3" else "LlamaForCausalLM"],
+            "hidden_size": self.hidden_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "vocab_size": self.vocab_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_parameters": {"rope_theta": self.rope_theta, **(self.rope_scaling or {"rope_type": "default"})},
+        }
+        if self.layer_types is not None:
+            layer["layer_types"] = self.layer_types
+            layer["sliding_window"] = self.sliding_window
+        speculators = self.extra.get("speculators_config") or {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": self.speculative_tokens}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": None, "architectures": []},
+        }
+        return {
+            "speculators_model_type": "eagle3",
+            "architectures": ["Eagle3DraftModel"],
+            "draft_vocab_size": self.draft_vocab_size,
+            "eagle_aux_hidden_state_layer_ids": self.aux_layer_ids,
+            "transformer_layer_config": layer,
+            "speculators_config": speculators,
+            **{name: getattr(self, name) for name in FLAGS},
+        }
+
+    # ---- EAGLE reference format (a Llama config plus draft_vocab_size) ----
+    @classmethod
+    def from_eagle(cls, cfg: dict, source: str = "config.json") -> "Eagle3Config":
+        archs = cfg.get("architectures") or []
+        if cfg.get("model_type", "llama") != "llama" and "LlamaForCausalLM" not in archs:
+            raise CheckpointError(f"{source}: EAGLE reference checkpoints are Llama drafters, got {archs or cfg.get('model_type')}")
+        fields = _layer_fields(cfg, source)
+        fields["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
+        return cls(
+            **fields,
+            arch="llama",
+            vocab_size=int(cfg["vocab_size"]),
+            draft_vocab_size=int(cfg.get("draft_vocab_size", cfg["vocab_size"])),
+            norm_before_residual=False,
+        )
+
+
+def _layer_fields(layer: dict, source: str) -> dict:
+    try:
+        rope = layer.get("rope_parameters") or {}
+        theta = rope.get("rope_theta", layer.get("rope_theta", 10000.0))
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"} or layer.get("rope_scaling")
+        if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
+            scaling = None
+        return dict(
+            hidden_size=int(layer["hidden_size"]),
+            num_attention_heads=int(layer["num_attention_heads"]),
+            num_key_value_heads=int(layer.get("num_key_value_heads", layer["num_attention_heads"])),
+            head_dim=int(layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"]),
+            intermediate_size=int(layer["intermediate_size"]),
+            num_hidden_layers=int(layer.get("num_hidden_layers", 1)),
+            rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=int(layer.get("max_position_embeddings", 40960)),
+            layer_types=layer.get("layer_types"),
+            sliding_window=layer.get("sliding_window"),
+        )
+    except KeyError as e:
+        raise CheckpointError(f"{source}: the layer config lacks {e.args[0]!r}") from e
+
+
+class RMSNormWeight(nn.Module):
+    """Holds an RMSNorm weight (the ops apply it)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+
+
+class Attention(nn.Module):
+    def __init__(self, c: Eagle3Config, input_width: int):
+        super().__init__()
+        self.q_proj = nn.Linear(input_width, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(input_width, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(input_width, c.num_key_value_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+        if c.arch == "qwen3":
+            self.q_norm = RMSNormWeight(c.head_dim)
+            self.k_norm = RMSNormWeight(c.head_dim)
+
+
+class MLP(nn.Module):
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: Eagle3Config, first: bool):
+        super().__init__()
+        self.input_layernorm = RMSNormWeight(c.hidden_size)
+        if first:  # layer 0 sees cat(embedding, hidden): 2H wide
+            self.hidden_norm = RMSNormWeight(c.hidden_size)
+        self.self_attn = Attention(c, 2 * c.hidden_size if first else c.hidden_size)
+        self.post_attention_layernorm = RMSNormWeight(c.hidden_size)
+        self.mlp = MLP(c)
+
+
+@dataclass
+class DraftState:
+    """What the next draft step needs per request, set by prefill."""
+
+    logits: torch.Tensor  # [B, Vd] draft logits at the last prefilled pair
+    hidden: torch.Tensor  # [B, H] x_next of that pair
+    next_position: torch.Tensor  # [B] int64
+    max_next_position: int  # host copy of next_position.max(), so draft() needs no sync
+
+
+class Eagle3Drafter(nn.Module):
+    """An EAGLE-3 drafter; ``use_custom_ops=False`` runs the pure-PyTorch reference ops instead."""
+
+    def __init__(self, config: Eagle3Config, use_custom_ops: bool = True):
+        super().__init__()
+        c = self.config = config
+        self.ops = ops if use_custom_ops else reference
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.fc = nn.Linear(c.num_aux * c.hidden_size, c.hidden_size, bias=False)
+        if c.fc_norm:
+            self.fc_norm = nn.ModuleList(RMSNormWeight(c.hidden_size) for _ in range(c.num_aux))
+        if c.norm_before_fc:
+            self.input_norm = RMSNormWeight(c.num_aux * c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c, first=i == 0) for i in range(c.num_hidden_layers))
+        self.norm = RMSNormWeight(c.hidden_size)
+        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        if c.draft_vocab_size < c.vocab_size:
+            self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+            self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
+        else:
+            self.d2t = self.t2d = None
+        self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.max_length = 0
+        self.cos_sin: torch.Tensor | None = None
+        self.state: DraftState | None = None
+
+    # ------------------------------------------------------------------ caches
+    def setup_caches(self, batch_size: int, max_length: int) -> None:
+        """Preallocates the per-request KV cache ``[B * max_length, Hkv, D]`` per layer."""
+        c = self.config
+        p = self.fc.weight
+        self.max_length, self.batch_size = max_length, batch_size
+        shape = (batch_size * max_length, c.num_key_value_heads, c.head_dim)
+        self.caches = [(p.new_zeros(shape), p.new_zeros(shape)) for _ in self.layers]
+        self.cos_sin = rope_cos_sin_cache(max_length, c.head_dim, c.rope_theta, torch.float32, p.device, c.rope_scaling)
+        self.state = None
+
+    # ------------------------------------------------------------------ forward
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self.d2t is None else draft_ids + self.d2t[draft_ids]
+
+    def fc_input(self, aux_features: torch.Tensor) -> torch.Tensor:
+        """[N, n*H] features -> [N, n*H] fc input, normalized as the config asks (gather_aux_hidden)."""
+        c = self.config
+        if not (c.fc_norm or c.norm_before_fc):
+            return aux_features
+        H = c.hidden_size
+        chunks = [aux_features[:, i * H : (i + 1) * H] for i in range(c.num_aux)]
+        rows = torch.arange(aux_features.shape[0], device=aux_features.device)
+        if c.fc_norm:
+            weight = torch.stack([norm.weight for norm in self.fc_norm])
+            return self.ops.gather_aux_hidden(chunks, rows, None, "fc_norm", weight, c.rms_norm_eps)
+        return self.ops.gather_aux_hidden(chunks, rows, None, "norm_before_fc", self.input_norm.weight, c.rms_norm_eps)
+
+    def forward_pairs(
+        self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, from_features: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pass over pairs: hidden ``[B, T, n*H]`` features (from_features) or ``[B, T, H]``
+        x_next; tokens, positions ``[B, T]`` (position -1 = padding). Returns logits ``[B, T, Vd]``
+        and x_next ``[B, T, H]``; writes the pairs' K/V into the cache."""
+        c, o = self.config, self.ops
+        B, T = tokens.shape
+        if B != self.batch_size or not self.caches:
+            raise RuntimeError(f"Eagle3Drafter: call setup_caches({B}, max_length) first (set up for {getattr(self, 'batch_size', None)})")
+        flat_pos = positions.reshape(-1)
+        x = self.fc(self.fc_input(hidden.reshape(B * T, -1))) if from_features else hidden.reshape(B * T, -1)
+        embeds = self.embed_tokens(tokens.reshape(-1))
+        batch_of = torch.arange(B, device=tokens.device).repeat_interleave(T)
+        slots = torch.where(flat_pos >= 0, batch_of * self.max_length + flat_pos, -1)
+        rope_pos = flat_pos.clamp(min=0)
+        residual = out = None
+        for i, layer in enumerate(self.layers):
+            if i == 0:
+                u, residual = o.eagle3_input_norm(
+                    embeds, x, layer.input_layernorm.weight, layer.hidden_norm.weight, c.rms_norm_eps,
+                    c.norm_before_residual)
+            else:
+                o.fused_add_rms_norm_(out, residual, layer.input_layernorm.weight, c.rms_norm_eps)
+                u = out
+            attn = layer.self_attn
+            qkv = torch.cat([attn.q_proj(u), attn.k_proj(u), attn.v_proj(u)], dim=-1)
+            k_cache, v_cache = self.caches[i]
+            o.qk_norm_rope_(
+                qkv, attn.q_norm.weight if c.arch == "qwen3" else None, attn.k_norm.weight if c.arch == "qwen3" else None,
+                self.cos_sin, rope_pos, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps, True,
+                k_cache, v_cache, slots)
+            q = qkv[:, : c.num_attention_heads * c.head_dim].view(B, T, c.num_attention_heads, c.head_dim)
+            context = self._attend(q.transpose(1, 2), i, positions)
+            out = attn.o_proj(context.transpose(1, 2).reshape(B * T, -1))
+            o.fused_add_rms_norm_(out, residual, layer.post_attention_layernorm.weight, c.rms_norm_eps)
+            out = layer.mlp(out)
+        o.fused_add_rms_norm_(out, residual, self.norm.weight, c.rms_norm_eps)  # out = z, residual = h
+        logits = self.lm_head(out)
+        x_next = out if c.norm_output else residual
+        return logits.view(B, T, -1), x_next.view(B, T, -1)
+
+    def _attend(self, q: torch.Tensor, layer: int, positions: torch.Tensor) -> torch.Tensor:
+        """Causal attention of q ``[B, Hq, T, D]`` over the layer's cache, masked by position."""
+        c = self.config
+        B = q.shape[0]
+        k_cache, v_cache = self.caches[layer]
+        keys = k_cache.view(B, self.max_length, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        values = v_cache.view(B, self.max_length, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        key_pos = torch.arange(self.max_length, device=q.device)
+        query_pos = positions[:, None, :, None]
+        mask = key_pos <= query_pos
+        window = c.window(layer)
+        if window is not None:
+            mask = mask & (key_pos > query_pos - window)
+        mask = mask | ((query_pos < 0) & (key_pos == 0))  # padding queries: any finite row
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+
+    # ------------------------------------------------------------------ drafting API
+    @torch.no_grad()
+    def prefill(self, aux_features: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Runs pairs (features of token t, token t+1) at ``positions`` (``[B, T]``, -1 = padding)
+        through the drafter, filling the KV cache; returns draft logits ``[B, T, Vd]`` and keeps
+        the last pair of each request as the start of the next :meth:`draft`. Also used after a
+        verification with the accepted tokens (positions rewind the cache)."""
+        top = int(positions.max())
+        if top >= self.max_length:
+            raise ValueError(f"Eagle3Drafter.prefill: position {top} beyond the cache ({self.max_length})")
+        logits, x_next = self.forward_pairs(aux_features, next_tokens, positions, from_features=True)
+        last = positions.argmax(dim=1)
+        rows = torch.arange(positions.shape[0], device=positions.device)
+        self.state = DraftState(logits[rows, last].float(), x_next[rows, last], positions[rows, last] + 1, top + 1)
+        return logits
+
+    @torch.no_grad()
+    def draft(self, k: int, return_probs: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """k greedy draft tokens per request (target-vocab ids ``[B, k]``) and, if asked, the
+        draft distributions ``[B, k, Vd]`` they were taken from. Writes the drafts' K/V at the
+        positions after the last prefilled pair; the next prefill overwrites them."""
+        if self.state is None:
+            raise RuntimeError("Eagle3Drafter.draft: call prefill first")
+        if self.state.max_next_position + k - 1 > self.max_length:
+            raise ValueError(
+                f"Eagle3Drafter.draft: {k} drafts from position {self.state.max_next_position} overrun the cache "
+                f"({self.max_length})")
+        logits, hidden, position = self.state.logits, self.state.hidden, self.state.next_position
+        tokens, probs = [], []
+        for step in range(k):
+            if return_probs:
+                probs.append(torch.softmax(logits.float(), dim=-1))
+            token = self.draft_to_target(logits.argmax(dim=-1))
+            tokens.append(token)
+            if step + 1 < k:
+                step_logits, step_hidden = self.forward_pairs(
+                    hidden[:, None], token[:, None], position[:, None], from_features=False)
+                logits, hidden, position = step_logits[:, 0].float(), step_hidden[:, 0], position + 1
+        return torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if return_probs else None
+
+    # ------------------------------------------------------------------ checkpoints
+    @classmethod
+    def from_pretrained(cls, path, dtype=None, device=None, target=None, use_custom_ops: bool = True):
+        """Loads a speculators-format or EAGLE reference checkpoint directory.
+
+        target (a transformers model or anything with ``get_input_embeddings()`` and a
+        ``config.hidden_size``): lends ``embed_tokens`` when the checkpoint has none, and its
+        hidden size must match the drafter's.
+        """
+        directory = Path(path)
+        raw = read_config(directory)
+        source = str(directory / "config.json")
+        eagle_format = raw.get("speculators_model_type") is None
+        if not eagle_format and raw.get("speculators_model_type") != "eagle3":
+            raise CheckpointError(f"{source}: speculators_model_type {raw.get('speculators_model_type')!r} is not eagle3")
+        config = Eagle3Config.from_eagle(raw, source) if eagle_format else Eagle3Config.from_speculators(raw, source)
+        tensors, origin = load_tensors(directory)
+        if eagle_format:
+            tensors = {k.replace("midlayer.", "layers.0.", 1) if k.startswith("midlayer.") else k: v for k, v in tensors.items()}
+            origin = {k.replace("midlayer.", "layers.0.", 1) if k.startswith("midlayer.") else k: v for k, v in origin.items()}
+        fc = tensors.get("fc.weight")
+        if fc is not None and fc.dim() == 2 and fc.shape[1] % config.hidden_size == 0:
+            config = dataclasses.replace(config, num_aux=fc.shape[1] // config.hidden_size,
+                                         aux_layer_ids=config.aux_layer_ids)
+        if target is not None:
+            target_hidden = target.config.hidden_size
+            if target_hidden != config.hidden_size:
+                raise CheckpointError(
+                    f"{source}: drafter hidden_size {config.hidden_size} differs from the target's {target_hidden}"
+                )
+        with torch.device("meta"):
+            model = cls(config, use_custom_ops)
+        expected = model.state_dict()
+        borrowed = "embed_tokens.weight" not in tensors
+        if borrowed and target is None:
+            raise CheckpointError(
+                f"{directory}: the checkpoint has no embed_tokens.weight; pass target= to borrow the target's embeddings"
+            )
+        missing = [k for k in expected if k not in tensors and not (borrowed and k == "embed_tokens.weight")]
+        if missing:
+            raise CheckpointError(f"{directory}: missing weights {missing}")
+        unexpected = [k for k in tensors if k not in expected]
+        if unexpected:
+            raise CheckpointError(f"{origin[unexpected[0]]}: unexpected weights {unexpected}")
+        for key, value in tensors.items():
+            if tuple(value.shape) != tuple(expected[key].shape):
+                raise CheckpointError(
+                    f"{origin[key]}: weight {key!r} has shape {list(value.shape)}, expected {list(expected[key].shape)}"
+                )
+        if borrowed:
+            tensors["embed_tokens.weight"] = target.get_input_embeddings().weight
+        model.load_state_dict(tensors, assign=True, strict=True)
+        floating = {k: v for k, v in model.state_dict().items() if v.is_floating_point()}
+        model.to(device=device, dtype=dtype or next(iter(floating.values())).dtype)
+        model.embeddings_borrowed = borrowed
+        return model.eval()
+
+    def save_pretrained(self, path) -> None:
+        """Writes the speculators format (config.json + model.safetensors)."""
+        tensors = self.state_dict()
+        if getattr(self, "embeddings_borrowed", False):
+            tensors.pop("embed_tokens.weight")
+        save_tensors(path, tensors, self.config.to_speculators())

@@ -1,0 +1,394 @@
+"""The EAGLE-3 drafter: kernel path vs reference path vs an independent implementation,
+checkpoint formats, and bad checkpoints."""
+
+import itertools
+import json
+import math
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+import qspec_ext
+from qspec_ext import Eagle3Config, Eagle3Drafter
+from qspec_ext.models.checkpoint import CheckpointError
+from qspec_ext.rope import rope_inv_freq
+
+H, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB, DRAFT_VOCAB = 64, 4, 2, 16, 96, 120, 50
+
+FLAG_SETS = [
+    dict(),
+    dict(norm_before_residual=True),
+    dict(fc_norm=True),
+    dict(norm_before_fc=True, norm_output=True),
+    dict(fc_norm=True, norm_output=True, norm_before_residual=True),
+    dict(norm_output=True),
+]
+
+
+def make_config(arch="qwen3", layers=1, draft_vocab=DRAFT_VOCAB, **flags) -> Eagle3Config:
+    return Eagle3Config(
+        hidden_size=H, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+        intermediate_size=FFN, vocab_size=VOCAB, draft_vocab_size=draft_vocab, num_hidden_layers=layers,
+        arch=arch, rope_theta=10000.0, max_position_embeddings=256, **flags,
+    )
+
+
+def random_drafter(config: Eagle3Config, seed=0, use_custom_ops=True) -> Eagle3Drafter:
+    torch.manual_seed(seed)
+    model = Eagle3Drafter(config, use_custom_ops).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name or name.endswith("norm_weight"):
+                p.uniform_(0.6, 1.4)
+            else:
+                p.normal_(0, 0.25)
+        for norm in getattr(model, "fc_norm", []):
+            norm.weight.uniform_(0.6, 1.4)
+        if model.d2t is not None:
+            targets = torch.randperm(VOCAB)[: config.draft_vocab_size].sort().values
+            model.d2t.copy_(targets - torch.arange(config.draft_vocab_size))
+            model.t2d.zero_()
+            model.t2d[targets] = True
+    return model
+
+
+def inputs(batch, tokens, config, seed=1, pad=False):
+    g = torch.Generator().manual_seed(seed)
+    features = torch.randn(batch, tokens, config.num_aux * H, generator=g) * 2
+    next_tokens = torch.randint(0, VOCAB, (batch, tokens), generator=g)
+    positions = torch.arange(tokens).expand(batch, tokens).clone()
+    if pad and batch > 1:
+        positions[1, -2:] = -1  # request 1 is two tokens shorter
+    return features, next_tokens, positions
+
+
+def run(model, batch, features, next_tokens, positions, k=4):
+    model.setup_caches(batch, 64)
+    logits = model.prefill(features, next_tokens, positions)
+    drafts, probs = model.draft(k, return_probs=True)
+    return logits, drafts, probs
+
+
+# ----------------------------------------------------------------------------- kernel vs reference
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("flags", FLAG_SETS, ids=lambda f: "-".join(f) or "plain")
+@pytest.mark.parametrize("batch", [1, 4])
+def test_kernel_path_equals_reference_path(arch, flags, batch):
+    config = make_config(arch, **flags)
+    fast = random_drafter(config)
+    slow = Eagle3Drafter(config, use_custom_ops=False).eval()
+    slow.load_state_dict(fast.state_dict())
+    data = inputs(batch, 7, config, pad=True)
+    logits_fast, drafts_fast, probs_fast = run(fast, batch, *data)
+    logits_slow, drafts_slow, probs_slow = run(slow, batch, *data)
+    valid = data[2] >= 0
+    torch.testing.assert_close(logits_fast[valid], logits_slow[valid], atol=2e-4, rtol=2e-4)
+    assert torch.equal(drafts_fast, drafts_slow)
+    torch.testing.assert_close(probs_fast, probs_slow, atol=1e-5, rtol=1e-4)
+    for (kf, vf), (ks, vs) in zip(fast.caches, slow.caches):
+        torch.testing.assert_close(kf, ks, atol=2e-4, rtol=2e-4)
+        torch.testing.assert_close(vf, vs, atol=2e-4, rtol=2e-4)
+
+
+def test_kernel_path_bf16_close_to_fp32():
+    config = make_config("qwen3", fc_norm=True, norm_output=True)
+    ref_model = random_drafter(config)
+    bf16 = random_drafter(config).to(torch.bfloat16)
+    data = inputs(2, 6, config)
+    logits32 = run(ref_model, 2, *data)[0]
+    logits16 = run(bf16, 2, data[0].bfloat16(), data[1], data[2])[0]
+    assert (logits16.float() - logits32).abs().max() < 0.1 * logits32.abs().max()
+
+
+# ----------------------------------------------------------------------------- independent implementation
+
+
+def rms(x, w, eps):
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.float()
+
+
+def naive_pairs(sd, c: Eagle3Config, x, tokens):
+    """All pairs of one request at positions 0..T-1 with full causal attention, from scratch.
+    x: [T, H] (already through fc). Returns logits [T, Vd], h [T, H], z [T, H]."""
+    T = tokens.shape[0]
+    pos = torch.arange(T, dtype=torch.float64)
+    inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
+    cos, sin = (pos[:, None] * inv).cos().float(), (pos[:, None] * inv).sin().float()
+
+    def rope(t):  # [T, heads, D], rotate-half
+        a, b = t[..., : c.head_dim // 2], t[..., c.head_dim // 2 :]
+        return torch.cat([a * cos[:, None] - b * sin[:, None], b * cos[:, None] + a * sin[:, None]], -1)
+
+    h = None
+    for layer in range(c.num_hidden_layers):
+        p = f"layers.{layer}."
+        if layer == 0:
+            e_hat = rms(sd["embed_tokens.weight"][tokens], sd[p + "input_layernorm.weight"], c.rms_norm_eps)
+            x_hat = rms(x, sd[p + "hidden_norm.weight"], c.rms_norm_eps)
+            resid = x_hat if c.norm_before_residual else x.float()
+            u = torch.cat([e_hat, x_hat], -1)
+        else:
+            resid = h
+            u = rms(h, sd[p + "input_layernorm.weight"], c.rms_norm_eps)
+        q = (u @ sd[p + "self_attn.q_proj.weight"].T).view(T, c.num_attention_heads, c.head_dim)
+        k = (u @ sd[p + "self_attn.k_proj.weight"].T).view(T, c.num_key_value_heads, c.head_dim)
+        v = (u @ sd[p + "self_attn.v_proj.weight"].T).view(T, c.num_key_value_heads, c.head_dim)
+        if c.arch == "qwen3":
+            q = rms(q, sd[p + "self_attn.q_norm.weight"], c.rms_norm_eps)
+            k = rms(k, sd[p + "self_attn.k_norm.weight"], c.rms_norm_eps)
+        q, k = rope(q), rope(k)
+        group = c.num_attention_heads // c.num_key_value_heads
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(c.head_dim)
+        allowed = torch.ones(T, T, dtype=torch.bool).tril()
+        window = c.window(layer)
+        if window is not None:
+            allowed &= ~torch.ones(T, T, dtype=torch.bool).tril(-window)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(T, -1)
+        h = resid + attn @ sd[p + "self_attn.o_proj.weight"].T
+        m = rms(h, sd[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
+        h = h + (F.silu(m @ sd[p + "mlp.gate_proj.weight"].T) * (m @ sd[p + "mlp.up_proj.weight"].T)) @ sd[p + "mlp.down_proj.weight"].T
+    z = rms(h, sd["norm.weight"], c.rms_norm_eps)
+    return z @ sd["lm_head.weight"].T, h, z
+
+
+def naive_prefill_and_draft(sd, c: Eagle3Config, features, tokens, k):
+    """One request: pairs (features, tokens), then k greedy drafts fed back by recomputation."""
+    H_ = c.hidden_size
+    g = features.float()
+    if c.fc_norm:
+        g = torch.cat([rms(g[:, i * H_ : (i + 1) * H_], sd[f"fc_norm.{i}.weight"], c.rms_norm_eps) for i in range(c.num_aux)], -1)
+    if c.norm_before_fc:
+        g = rms(g, sd["input_norm.weight"], c.rms_norm_eps)
+    xs = list(g @ sd["fc.weight"].T)
+    toks = list(tokens)
+    logits, h, z = naive_pairs(sd, c, torch.stack(xs), torch.stack(toks))
+    prefill_logits = logits
+    d2t = sd.get("d2t")
+    drafts = []
+    for step in range(k):
+        d = int(logits[-1].argmax())
+        target_id = d + int(d2t[d]) if d2t is not None else d
+        drafts.append(target_id)
+        if step + 1 < k:
+            xs.append(z[-1] if c.norm_output else h[-1])
+            toks.append(torch.tensor(target_id))
+            logits, h, z = naive_pairs(sd, c, torch.stack(xs), torch.stack(toks))
+    return prefill_logits, drafts
+
+
+@pytest.mark.parametrize(
+    "arch,layers,flags",
+    [("qwen3", 1, {}), ("qwen3", 1, dict(norm_output=True, fc_norm=True)), ("llama", 1, dict(norm_before_fc=True)),
+     ("qwen3", 2, dict(norm_before_residual=True, norm_output=True)),
+     ("qwen3", 2, dict(layer_types=["sliding_attention", "full_attention"], sliding_window=3)),
+     ("llama", 1, dict(norm_output=True, draft_vocab=VOCAB))],
+)
+def test_reference_path_equals_independent_implementation(arch, layers, flags):
+    config = make_config(arch, layers, **flags)
+    model = random_drafter(config, use_custom_ops=False)
+    sd = {k: v.float() if v.is_floating_point() else v for k, v in model.state_dict().items()}
+    features, tokens, positions = inputs(2, 6, config)
+    logits, drafts, _ = run(model, 2, features, tokens, positions, k=5)
+    for b in range(2):
+        expected_logits, expected_drafts = naive_prefill_and_draft(sd, config, features[b], tokens[b], 5)
+        torch.testing.assert_close(logits[b], expected_logits, atol=1e-4, rtol=1e-4)
+        assert drafts[b].tolist() == expected_drafts
+
+
+def test_rollback_is_moving_positions():
+    """Prefilling again from an earlier position gives what a fresh drafter gives."""
+    config = make_config("qwen3", norm_output=True)
+    model = random_drafter(config)
+    features, tokens, positions = inputs(1, 8, config)
+    model.setup_caches(1, 32)
+    model.prefill(features[:, :5], tokens[:, :5], positions[:, :5])
+    model.draft(4)  # speculative K/V at positions 5..7
+    model.prefill(features[:, 5:], tokens[:, 5:], positions[:, 5:])  # the real pairs overwrite them
+    after_rollback = model.draft(3)[0]
+    fresh = random_drafter(config)
+    fresh.setup_caches(1, 32)
+    fresh.prefill(features, tokens, positions)
+    assert torch.equal(after_rollback, fresh.draft(3)[0])
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def fake_target(embed: torch.Tensor):
+    module = torch.nn.Module()
+    module.embedding = torch.nn.Embedding.from_pretrained(embed.clone())
+    module.config = types.SimpleNamespace(hidden_size=embed.shape[1])
+    module.get_input_embeddings = lambda: module.embedding
+    return module
+
+
+def speculators_config(config: Eagle3Config, spelling="rope_parameters") -> dict:
+    layer = dict(model_type=config.arch, hidden_size=H, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                 head_dim=HEAD_DIM, intermediate_size=FFN, vocab_size=VOCAB, num_hidden_layers=config.num_hidden_layers,
+                 rms_norm_eps=config.rms_norm_eps, max_position_embeddings=256)
+    if spelling == "rope_parameters":
+        layer["rope_parameters"] = {"rope_theta": config.rope_theta, "rope_type": "default"}
+    else:
+        layer["rope_theta"] = config.rope_theta
+    return {
+        "speculators_model_type": "eagle3", "architectures": ["Eagle3DraftModel"],
+        "draft_vocab_size": config.draft_vocab_size, "norm_before_residual": config.norm_before_residual,
+        "fc_norm": config.fc_norm, "norm_before_fc": config.norm_before_fc, "norm_output": config.norm_output,
+        "eagle_aux_hidden_state_layer_ids": [1, 3, 5], "transformer_layer_config": layer,
+        "speculators_config": {"algorithm": "eagle3", "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+                               "default_proposal_method": "greedy", "verifier": {"name_or_path": "x", "architectures": []}},
+    }
+
+
+def write_speculators(directory, model, spelling="rope_parameters", drop=(), extra=None, shards=1):
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(speculators_config(model.config, spelling)))
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items() if k not in drop} | (extra or {})
+    if shards == 1:
+        save_file(tensors, str(directory / "model.safetensors"))
+        return
+    keys = sorted(tensors)
+    weight_map = {}
+    for i in range(shards):
+        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = {k: tensors[k] for k in keys[i::shards]}
+        save_file(part, str(directory / name))
+        weight_map |= {k: name for k in part}
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def write_eagle(directory, model, use_bin):
+    directory.mkdir(parents=True, exist_ok=True)
+    c = model.config
+    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=H, num_attention_heads=HEADS,
+               num_key_value_heads=KV_HEADS, intermediate_size=FFN, vocab_size=VOCAB, num_hidden_layers=1,
+               rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta, max_position_embeddings=256,
+               draft_vocab_size=c.draft_vocab_size)
+    (directory / "config.json").write_text(json.dumps(cfg))
+    tensors = {k.replace("layers.0.", "midlayer.", 1): v.contiguous() for k, v in model.state_dict().items()
+               if k != "embed_tokens.weight"}
+    if use_bin:
+        torch.save(tensors, directory / "pytorch_model.bin")
+    else:
+        save_file(tensors, str(directory / "model.safetensors"))
+
+
+def logits_of(model, seed=3):
+    return run(model, 2, *inputs(2, 5, model.config, seed=seed))[0]
+
+
+@pytest.mark.parametrize("spelling", ["rope_parameters", "rope_theta"])
+@pytest.mark.parametrize("shards", [1, 3])
+def test_load_speculators_format(tmp_path, spelling, shards):
+    model = random_drafter(make_config("qwen3", fc_norm=True, norm_output=True))
+    write_speculators(tmp_path / "ckpt", model, spelling, shards=shards)
+    loaded = Eagle3Drafter.from_pretrained(tmp_path / "ckpt")
+    assert loaded.config.fc_norm and loaded.config.norm_output and loaded.config.aux_layer_ids == [1, 3, 5]
+    assert loaded.config.arch == "qwen3" and loaded.config.rope_theta == 10000.0
+    assert torch.equal(logits_of(loaded), logits_of(model))
+
+
+@pytest.mark.parametrize("use_bin", [False, True])
+def test_load_eagle_reference_format_borrowing_embeddings(tmp_path, use_bin):
+    model = random_drafter(make_config("llama"))
+    write_eagle(tmp_path / "eagle", model, use_bin)
+    loaded = Eagle3Drafter.from_pretrained(tmp_path / "eagle", target=fake_target(model.embed_tokens.weight.detach()))
+    assert loaded.config.arch == "llama" and not loaded.config.norm_before_residual
+    assert torch.equal(logits_of(loaded), logits_of(model))
+
+
+def test_save_load_round_trip(tmp_path):
+    model = random_drafter(make_config("qwen3", layers=2, norm_before_fc=True, norm_before_residual=True,
+                                       layer_types=["sliding_attention", "full_attention"], sliding_window=16))
+    model.save_pretrained(tmp_path / "out")
+    loaded = Eagle3Drafter.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    assert loaded.config.to_speculators() == model.config.to_speculators()
+    assert torch.equal(logits_of(loaded), logits_of(model))
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+
+
+def test_load_casts_dtype(tmp_path):
+    model = random_drafter(make_config("qwen3"))
+    write_speculators(tmp_path / "c", model)
+    loaded = Eagle3Drafter.from_pretrained(tmp_path / "c", dtype=torch.bfloat16)
+    assert loaded.fc.weight.dtype == torch.bfloat16 and loaded.d2t.dtype == torch.long
+
+
+def test_rope_spellings_and_scaling_match_transformers():
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cases = [
+        {"rope_type": "linear", "factor": 4.0},
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": 8192},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048},
+    ]
+    for scaling in cases:
+        hf = LlamaConfig(hidden_size=128, num_attention_heads=2, max_position_embeddings=32768,
+                         rope_parameters={"rope_theta": 500000.0, **scaling})
+        expected, factor = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](hf, "cpu")
+        ours, our_factor = rope_inv_freq(64, 500000.0, scaling)
+        torch.testing.assert_close(ours.float(), expected.float(), rtol=1e-5, atol=1e-9)
+        assert our_factor == pytest.approx(factor)
+    layer = {"hidden_size": H, "num_attention_heads": HEADS, "intermediate_size": FFN}
+    new = Eagle3Config.from_eagle(layer | {"vocab_size": VOCAB, "rope_parameters": {"rope_theta": 5e5, **cases[1]}})
+    old = Eagle3Config.from_eagle(layer | {"vocab_size": VOCAB, "rope_theta": 5e5, "rope_scaling": cases[1]})
+    assert new.rope_theta == old.rope_theta == 5e5 and new.rope_scaling == old.rope_scaling == cases[1]
+
+
+BAD_CHECKPOINTS = {
+    "missing key": (dict(drop=("layers.0.mlp.up_proj.weight",)), r"missing weights \['layers.0.mlp.up_proj.weight'\]"),
+    "unexpected key": (dict(extra={"layers.0.bias": torch.zeros(3)}), r"model.safetensors: unexpected weights \['layers.0.bias'\]"),
+    "wrong shape": (dict(extra={"fc.weight": torch.zeros(H, 2 * H + 1)}), r"model.safetensors: weight 'fc.weight' has shape \[64, 129\], expected \[64, 192\]"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CHECKPOINTS))
+def test_bad_checkpoint_errors(tmp_path, case):
+    kwargs, message = BAD_CHECKPOINTS[case]
+    model = random_drafter(make_config("qwen3"))
+    write_speculators(tmp_path / "bad", model, **kwargs)
+    with pytest.raises(CheckpointError, match=message):
+        Eagle3Drafter.from_pretrained(tmp_path / "bad")
+
+
+def test_truncated_file_names_the_file(tmp_path):
+    model = random_drafter(make_config("qwen3"))
+    write_speculators(tmp_path / "t", model)
+    path = tmp_path / "t" / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-1000])
+    with pytest.raises(CheckpointError, match=r"model.safetensors: cannot read the weights \(truncated or corrupt file\?\)"):
+        Eagle3Drafter.from_pretrained(tmp_path / "t")
+
+
+def test_unknown_architecture_and_hidden_size_mismatch(tmp_path):
+    model = random_drafter(make_config("qwen3"))
+    write_speculators(tmp_path / "a", model)
+    cfg = json.loads((tmp_path / "a" / "config.json").read_text())
+    cfg["transformer_layer_config"]["model_type"] = "mistral"
+    (tmp_path / "a" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"config.json: unknown draft architecture transformer_layer_config.model_type='mistral'"):
+        Eagle3Drafter.from_pretrained(tmp_path / "a")
+    write_speculators(tmp_path / "b", model)
+    with pytest.raises(CheckpointError, match=r"config.json: drafter hidden_size 64 differs from the target's 32"):
+        Eagle3Drafter.from_pretrained(tmp_path / "b", target=fake_target(torch.zeros(VOCAB, 32)))
+    write_speculators(tmp_path / "c", model, drop=("embed_tokens.weight",))
+    with pytest.raises(CheckpointError, match=r"no embed_tokens.weight; pass target="):
+        Eagle3Drafter.from_pretrained(tmp_path / "c")
+
+
+def test_config_rejects_exclusive_flags():
+    with pytest.raises(ValueError, match="norm_before_fc and fc_norm are mutually exclusive"):
+        make_config("qwen3", fc_norm=True, norm_before_fc=True)
+    with pytest.raises(ValueError, match="arch must be 'qwen3' or 'llama'"):
+        make_config("gemma")
