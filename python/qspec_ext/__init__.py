@@ -8,7 +8,8 @@ import torch
 
 from . import _C, ops, reference
 from .aux import AuxHiddenCapture, default_aux_layer_ids
-from .models import Eagle3Config, Eagle3Drafter
+from .decode import GenerateResult, SpecDecodeStats, SpeculativeDecoder, generate_plain
+from .models import Eagle3Config, Eagle3Drafter, HFTarget, Qwen3Target
 from .ops import (
     eagle3_input_norm,
     fused_add_rms_norm_,
@@ -30,6 +31,12 @@ __all__ = [
     "AuxHiddenCapture",
     "Eagle3Config",
     "Eagle3Drafter",
+    "GenerateResult",
+    "HFTarget",
+    "Qwen3Target",
+    "SpecDecodeStats",
+    "SpeculativeDecoder",
+    "generate_plain",
     "apply_top_k_top_p",
     "build_info",
     "default_aux_layer_ids",

@@ -25,6 +25,7 @@ from torch import nn
 from .. import ops, reference
 from ..rope import rope_cos_sin_cache
 from .checkpoint import CheckpointError, load_tensors, read_config, save_tensors
+from .layers import MLP, Attention, RMSNormWeight, cache_slots, cached_attention
 
 logger = logging.getLogger(__name__)
 
@@ -193,46 +194,16 @@ def _layer_fields(layer: dict, source: str) -> dict:
         raise CheckpointError(f"{source}: the layer config lacks {e.args[0]!r}") from e
 
 
-class RMSNormWeight(nn.Module):
-    """Holds an RMSNorm weight (the ops apply it)."""
-
-    def __init__(self, width: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(width))
-
-
-class Attention(nn.Module):
-    def __init__(self, c: Eagle3Config, input_width: int):
-        super().__init__()
-        self.q_proj = nn.Linear(input_width, c.num_attention_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(input_width, c.num_key_value_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(input_width, c.num_key_value_heads * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
-        if c.arch == "qwen3":
-            self.q_norm = RMSNormWeight(c.head_dim)
-            self.k_norm = RMSNormWeight(c.head_dim)
-
-
-class MLP(nn.Module):
-    def __init__(self, c: Eagle3Config):
-        super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, c: Eagle3Config, first: bool):
         super().__init__()
         self.input_layernorm = RMSNormWeight(c.hidden_size)
         if first:  # layer 0 sees cat(embedding, hidden): 2H wide
             self.hidden_norm = RMSNormWeight(c.hidden_size)
-        self.self_attn = Attention(c, 2 * c.hidden_size if first else c.hidden_size)
+        self.self_attn = Attention(c.hidden_size, 2 * c.hidden_size if first else c.hidden_size,
+                                   c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.arch == "qwen3")
         self.post_attention_layernorm = RMSNormWeight(c.hidden_size)
-        self.mlp = MLP(c)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size)
 
 
 @dataclass
@@ -299,21 +270,34 @@ class Eagle3Drafter(nn.Module):
             return self.ops.gather_aux_hidden(chunks, rows, None, "fc_norm", weight, c.rms_norm_eps)
         return self.ops.gather_aux_hidden(chunks, rows, None, "norm_before_fc", self.input_norm.weight, c.rms_norm_eps)
 
+    def fc_norm_mode(self) -> tuple[str, torch.Tensor | None]:
+        """The (norm_mode, norm_weight) gather_aux_hidden applies to build this drafter's fc input."""
+        if self.config.fc_norm:
+            return "fc_norm", torch.stack([norm.weight for norm in self.fc_norm])
+        if self.config.norm_before_fc:
+            return "norm_before_fc", self.input_norm.weight
+        return "none", None
+
     def forward_pairs(
-        self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, from_features: bool
+        self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, from_features: bool,
+        normalized: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One pass over pairs: hidden ``[B, T, n*H]`` features (from_features) or ``[B, T, H]``
-        x_next; tokens, positions ``[B, T]`` (position -1 = padding). Returns logits ``[B, T, Vd]``
-        and x_next ``[B, T, H]``; writes the pairs' K/V into the cache."""
+        """One pass over pairs: hidden ``[B, T, n*H]`` features (from_features; already the
+        normalized fc input when ``normalized``) or ``[B, T, H]`` x_next; tokens, positions
+        ``[B, T]`` (position -1 = padding). Returns logits ``[B, T, Vd]`` and x_next ``[B, T, H]``;
+        writes the pairs' K/V into the cache."""
         c, o = self.config, self.ops
         B, T = tokens.shape
         if B != self.batch_size or not self.caches:
             raise RuntimeError(f"Eagle3Drafter: call setup_caches({B}, max_length) first (set up for {getattr(self, 'batch_size', None)})")
         flat_pos = positions.reshape(-1)
-        x = self.fc(self.fc_input(hidden.reshape(B * T, -1))) if from_features else hidden.reshape(B * T, -1)
+        if from_features:
+            features = hidden.reshape(B * T, -1)
+            x = self.fc(features if normalized else self.fc_input(features))
+        else:
+            x = hidden.reshape(B * T, -1)
         embeds = self.embed_tokens(tokens.reshape(-1))
-        batch_of = torch.arange(B, device=tokens.device).repeat_interleave(T)
-        slots = torch.where(flat_pos >= 0, batch_of * self.max_length + flat_pos, -1)
+        slots = cache_slots(positions, self.max_length)
         rope_pos = flat_pos.clamp(min=0)
         residual = out = None
         for i, layer in enumerate(self.layers):
@@ -325,14 +309,13 @@ class Eagle3Drafter(nn.Module):
                 o.fused_add_rms_norm_(out, residual, layer.input_layernorm.weight, c.rms_norm_eps)
                 u = out
             attn = layer.self_attn
-            qkv = torch.cat([attn.q_proj(u), attn.k_proj(u), attn.v_proj(u)], dim=-1)
+            qkv = attn.qkv(u)
             k_cache, v_cache = self.caches[i]
             o.qk_norm_rope_(
-                qkv, attn.q_norm.weight if c.arch == "qwen3" else None, attn.k_norm.weight if c.arch == "qwen3" else None,
-                self.cos_sin, rope_pos, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps, True,
-                k_cache, v_cache, slots)
+                qkv, *attn.qk_norm_weights(), self.cos_sin, rope_pos, c.num_attention_heads, c.num_key_value_heads,
+                c.head_dim, c.rms_norm_eps, True, k_cache, v_cache, slots)
             q = qkv[:, : c.num_attention_heads * c.head_dim].view(B, T, c.num_attention_heads, c.head_dim)
-            context = self._attend(q.transpose(1, 2), i, positions)
+            context = cached_attention(q.transpose(1, 2), k_cache, v_cache, positions, self.max_length, c.window(i))
             out = attn.o_proj(context.transpose(1, 2).reshape(B * T, -1))
             o.fused_add_rms_norm_(out, residual, layer.post_attention_layernorm.weight, c.rms_norm_eps)
             out = layer.mlp(out)
@@ -341,33 +324,19 @@ class Eagle3Drafter(nn.Module):
         x_next = out if c.norm_output else residual
         return logits.view(B, T, -1), x_next.view(B, T, -1)
 
-    def _attend(self, q: torch.Tensor, layer: int, positions: torch.Tensor) -> torch.Tensor:
-        """Causal attention of q ``[B, Hq, T, D]`` over the layer's cache, masked by position."""
-        c = self.config
-        B = q.shape[0]
-        k_cache, v_cache = self.caches[layer]
-        keys = k_cache.view(B, self.max_length, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        values = v_cache.view(B, self.max_length, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        key_pos = torch.arange(self.max_length, device=q.device)
-        query_pos = positions[:, None, :, None]
-        mask = key_pos <= query_pos
-        window = c.window(layer)
-        if window is not None:
-            mask = mask & (key_pos > query_pos - window)
-        mask = mask | ((query_pos < 0) & (key_pos == 0))  # padding queries: any finite row
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-
     # ------------------------------------------------------------------ drafting API
     @torch.no_grad()
-    def prefill(self, aux_features: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def prefill(self, aux_features: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
+                normalized: bool = False) -> torch.Tensor:
         """Runs pairs (features of token t, token t+1) at ``positions`` (``[B, T]``, -1 = padding)
         through the drafter, filling the KV cache; returns draft logits ``[B, T, Vd]`` and keeps
         the last pair of each request as the start of the next :meth:`draft`. Also used after a
-        verification with the accepted tokens (positions rewind the cache)."""
+        verification with the accepted tokens (positions rewind the cache). ``normalized``: the
+        features are already the fc input (gathered with :meth:`fc_norm_mode`)."""
         top = int(positions.max())
         if top >= self.max_length:
             raise ValueError(f"Eagle3Drafter.prefill: position {top} beyond the cache ({self.max_length})")
-        logits, x_next = self.forward_pairs(aux_features, next_tokens, positions, from_features=True)
+        logits, x_next = self.forward_pairs(aux_features, next_tokens, positions, True, normalized)
         last = positions.argmax(dim=1)
         rows = torch.arange(positions.shape[0], device=positions.device)
         self.state = DraftState(logits[rows, last].float(), x_next[rows, last], positions[rows, last] + 1, top + 1)

@@ -1,0 +1,217 @@
+"""The speculative decode loop: draft k tokens, verify them in one target forward, keep the
+accepted prefix and the target's own next token, repeat.
+
+Each step: drafter.draft(k) -> target.forward([last, d1..dk]) -> verify_greedy /
+verify_sampling -> gather_aux_hidden of the accepted rows -> drafter.prefill of those pairs
+(which also rewinds the drafter's cache); the target's cache is rewound the same way, by
+the next step's positions. The only host synchronization per step reads the accepted
+counts, which stopping needs.
+"""
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .ops import verify_greedy, verify_sampling
+from .sampling import apply_top_k_top_p
+
+
+@dataclass
+class SpecDecodeStats:
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    num_generated_tokens: int = 0
+    wall_time: float = 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """1 + accepted / drafts: tokens per target forward, counting the target's own token."""
+        return 1.0 + self.num_accepted_tokens / max(self.num_drafts, 1)
+
+    @property
+    def acceptance_rate_per_position(self) -> list[float]:
+        """Unconditional acceptance at draft position i: accepted_at_i / drafts."""
+        return [n / max(self.num_drafts, 1) for n in self.accepted_per_position]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_generated_tokens / self.wall_time if self.wall_time > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return dict(
+            num_drafts=self.num_drafts, num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens, mean_acceptance_length=self.mean_acceptance_length,
+            acceptance_rate_per_position=self.acceptance_rate_per_position,
+            num_generated_tokens=self.num_generated_tokens, wall_time=self.wall_time,
+            tokens_per_second=self.tokens_per_second,
+        )
+
+
+@dataclass
+class GenerateResult:
+    tokens: list[list[int]]  # generated ids per prompt, prompt excluded
+    stats: SpecDecodeStats
+
+
+class _Sampler:
+    """Picks the target's own tokens outside verification (the first token, plain decoding)."""
+
+    def __init__(self, batch: int, temperature: float, top_k: int | None, top_p: float | None, seed: int, device):
+        self.temperature = temperature
+        self.top_k = None if top_k is None else torch.full((batch,), top_k, device=device)
+        self.top_p = None if top_p is None else torch.full((batch,), top_p, device=device)
+        self.generators = [torch.Generator(device=device).manual_seed(seed * 1_000_003 + b) for b in range(batch)]
+
+    def process(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits / temperature, filtered; verify_sampling then runs at temperature 1."""
+        return apply_top_k_top_p(logits.float() / self.temperature, self.top_k, self.top_p)
+
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B]
+        if self.temperature == 0.0:
+            return logits.argmax(dim=-1)
+        probs = torch.softmax(self.process(logits), dim=-1)
+        return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, self.generators)])
+
+
+def _check_prompts(prompts: list[list[int]], max_new_tokens: int, extra: int, max_length: int) -> None:
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate: prompts must be non-empty lists of token ids")
+    longest = max(len(p) for p in prompts)
+    if longest + max_new_tokens + extra > max_length:
+        raise ValueError(
+            f"generate: a prompt of {longest} tokens + max_new_tokens={max_new_tokens} (+{extra} for drafts) "
+            f"does not fit the cache of {max_length} positions"
+        )
+
+
+def _prefill_inputs(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    longest = max(len(p) for p in prompts)
+    tokens = torch.zeros(len(prompts), longest, dtype=torch.long, device=device)
+    positions = torch.full_like(tokens, -1)
+    for b, p in enumerate(prompts):
+        tokens[b, : len(p)] = torch.tensor(p, device=device)
+        positions[b, : len(p)] = torch.arange(len(p), device=device)
+    return tokens, positions
+
+
+def _finish(generated: list[int], new: list[int], max_new_tokens: int, eos_token_id: int | None) -> bool:
+    """Appends new tokens up to the limits; True when the request is done."""
+    for token in new:
+        generated.append(token)
+        if token == eos_token_id or len(generated) >= max_new_tokens:
+            return True
+    return False
+
+
+@torch.no_grad()
+def generate_plain(target, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
+                   top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
+                   seed: int = 0, max_length: int | None = None) -> GenerateResult:
+    """Ordinary decoding with the target alone (one forward per token): the baseline."""
+    device = target.lm_head.weight.device if hasattr(target, "lm_head") else next(target.parameters()).device
+    max_length = max_length or max(len(p) for p in prompts) + max_new_tokens + 1
+    _check_prompts(prompts, max_new_tokens, 1, max_length)
+    start = time.perf_counter()
+    batch = len(prompts)
+    target.setup(batch, max_length)
+    sampler = _Sampler(batch, temperature, top_k, top_p, seed, device)
+    tokens, positions = _prefill_inputs(prompts, device)
+    next_token = sampler.pick(target.forward(tokens, positions, last_only=True))
+    generated: list[list[int]] = [[] for _ in prompts]
+    done = [_finish(g, [t], max_new_tokens, eos_token_id) for g, t in zip(generated, next_token.tolist())]
+    position = torch.tensor([len(p) for p in prompts], device=device)
+    while not all(done):
+        step_pos = torch.where(torch.tensor(done, device=device), -1, position)[:, None]
+        logits = target.forward(next_token[:, None], step_pos)[:, 0]
+        next_token = sampler.pick(logits)
+        for b, token in enumerate(next_token.tolist()):
+            if not done[b]:
+                done[b] = _finish(generated[b], [token], max_new_tokens, eos_token_id)
+        position = position + 1
+    stats = SpecDecodeStats(num_generated_tokens=sum(map(len, generated)), wall_time=time.perf_counter() - start)
+    return GenerateResult(generated, stats)
+
+
+class SpeculativeDecoder:
+    """EAGLE-3 speculative decoding of a target (Qwen3Target or HFTarget) with an Eagle3Drafter."""
+
+    def __init__(self, target, drafter, num_speculative_tokens: int = 3, max_length: int | None = None):
+        if not 1 <= num_speculative_tokens <= 32:
+            raise ValueError(f"SpeculativeDecoder: num_speculative_tokens must be in [1, 32], got {num_speculative_tokens}")
+        if len(target.aux_layer_ids) != drafter.config.num_aux:
+            raise ValueError(
+                f"SpeculativeDecoder: the target exposes {len(target.aux_layer_ids)} aux layers "
+                f"{target.aux_layer_ids}, the drafter's fc takes {drafter.config.num_aux}"
+            )
+        self.target, self.drafter, self.k = target, drafter, num_speculative_tokens
+        self.max_length = max_length or target.config.max_position_embeddings
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
+                 top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
+                 seed: int = 0) -> GenerateResult:
+        k, target, drafter = self.k, self.target, self.drafter
+        _check_prompts(prompts, max_new_tokens, k + 1, self.max_length)
+        device = drafter.fc.weight.device
+        start = time.perf_counter()
+        batch = len(prompts)
+        cache_length = max(len(p) for p in prompts) + max_new_tokens + k + 1
+        target.setup(batch, cache_length)
+        drafter.setup_caches(batch, cache_length)
+        sampler = _Sampler(batch, temperature, top_k, top_p, seed, device)
+        norm_mode, norm_weight = drafter.fc_norm_mode()
+        eps = drafter.config.rms_norm_eps
+        stats = SpecDecodeStats(accepted_per_position=[0] * k)
+
+        # Prefill: the target reads the prompts and picks the first token; the drafter reads
+        # the pairs (feature of prompt token t, prompt token t+1 or that first token).
+        tokens, positions = _prefill_inputs(prompts, device)
+        first = sampler.pick(target.forward(tokens, positions, last_only=True))
+        lengths = torch.tensor([len(p) for p in prompts], device=device)
+        pair_tokens = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)
+        pair_tokens[torch.arange(batch, device=device), lengths - 1] = first
+        rows = torch.where(positions >= 0, torch.arange(tokens.numel(), device=device).view_as(tokens), -1)
+        fc_input = target.capture.gather(rows.reshape(-1), norm_mode, norm_weight, eps)
+        drafter.prefill(fc_input.view(batch, tokens.shape[1], -1), pair_tokens, positions, normalized=True)
+
+        generated: list[list[int]] = [[] for _ in prompts]
+        done = [_finish(g, [t], max_new_tokens, eos_token_id) for g, t in zip(generated, first.tolist())]
+        last, position = first, lengths  # the newest token and its position (not yet in the target's cache)
+        offsets = torch.arange(k + 1, device=device)
+        seeds = torch.tensor([seed * 1_000_003 + b for b in range(batch)], device=device)
+        while not all(done):
+            active = ~torch.tensor(done, device=device)
+            drafts, _ = drafter.draft(k)
+            step_pos = torch.where(active[:, None], position[:, None] + offsets, -1)
+            logits = target.forward(torch.cat([last[:, None], drafts], dim=1), step_pos)
+            if temperature == 0.0:
+                out, accepted = verify_greedy(drafts, logits)
+            else:
+                ones = torch.ones(batch, device=device)
+                out, accepted = verify_sampling(drafts, None, sampler.process(logits), ones, seeds, position + 1)
+            # The drafter's next pairs: features of [last, accepted drafts] with the tokens after them.
+            keep = (offsets <= accepted[:, None]) & active[:, None]
+            rows = torch.where(keep, torch.arange(batch * (k + 1), device=device).view(batch, k + 1), -1)
+            fc_input = target.capture.gather(rows.reshape(-1), norm_mode, norm_weight, eps)
+            drafter.prefill(fc_input.view(batch, k + 1, -1), out.clamp(min=0), torch.where(keep, step_pos, -1),
+                            normalized=True)
+            last = out.gather(1, accepted[:, None])[:, 0]
+            position = position + accepted + 1
+
+            out_host, accepted_host = out.tolist(), accepted.tolist()  # the one sync: stopping needs it
+            for b in range(batch):
+                if done[b]:
+                    continue
+                n = accepted_host[b]
+                stats.num_drafts += 1
+                stats.num_draft_tokens += k
+                stats.num_accepted_tokens += n
+                for i in range(n):
+                    stats.accepted_per_position[i] += 1
+                done[b] = _finish(generated[b], out_host[b][: n + 1], max_new_tokens, eos_token_id)
+        stats.num_generated_tokens = sum(map(len, generated))
+        stats.wall_time = time.perf_counter() - start
+        return GenerateResult(generated, stats)

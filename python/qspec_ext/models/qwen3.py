@@ -1,0 +1,195 @@
+"""A built-in Qwen3 target on the qspec_ext ops: static per-request KV cache, and the aux
+features of its aux layers exposed by reference (no copies) for the drafter's gather."""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .. import ops, reference
+from ..aux import AuxHiddenCapture, default_aux_layer_ids
+from ..rope import rope_cos_sin_cache
+from .checkpoint import CheckpointError, load_tensors, read_config
+from .layers import MLP, Attention, RMSNormWeight, cache_slots, cached_attention
+
+
+@dataclass
+class Qwen3Config:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 40960
+
+    @classmethod
+    def from_hf(cls, cfg: dict, source: str = "config.json") -> "Qwen3Config":
+        if cfg.get("model_type") != "qwen3":
+            raise CheckpointError(f"{source}: Qwen3Target loads dense Qwen3 checkpoints, got model_type={cfg.get('model_type')!r}")
+        try:
+            rope = cfg.get("rope_parameters") or {}
+            scaling = {k: v for k, v in rope.items() if k != "rope_theta"} or cfg.get("rope_scaling")
+            if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
+                scaling = None
+            return cls(
+                hidden_size=cfg["hidden_size"], num_hidden_layers=cfg["num_hidden_layers"],
+                num_attention_heads=cfg["num_attention_heads"],
+                num_key_value_heads=cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
+                head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+                intermediate_size=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
+                rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+                rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 1_000_000.0))), rope_scaling=scaling,
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                max_position_embeddings=cfg.get("max_position_embeddings", 40960),
+            )
+        except KeyError as e:
+            raise CheckpointError(f"{source}: the Qwen3 config lacks {e.args[0]!r}") from e
+
+
+class Qwen3Layer(nn.Module):
+    def __init__(self, c: Qwen3Config):
+        super().__init__()
+        self.input_layernorm = RMSNormWeight(c.hidden_size)
+        self.self_attn = Attention(c.hidden_size, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+                                   c.head_dim, qk_norm=True)
+        self.post_attention_layernorm = RMSNormWeight(c.hidden_size)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size)
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, c: Qwen3Config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(Qwen3Layer(c) for _ in range(c.num_hidden_layers))
+        self.norm = RMSNormWeight(c.hidden_size)
+
+
+class Qwen3Target(nn.Module):
+    """A dense Qwen3 causal LM with weights named as in HF checkpoints.
+
+    :meth:`forward` runs tokens at positions against the static cache (rewinding is just
+    running from an earlier position) and records the aux features in :attr:`capture`.
+    """
+
+    def __init__(self, config: Qwen3Config, aux_layer_ids: list[int] | None = None, use_custom_ops: bool = True):
+        super().__init__()
+        self.config = config
+        self.ops = ops if use_custom_ops else reference
+        self.model = Qwen3Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        ids = list(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(config.num_hidden_layers)
+        bad = [i for i in ids if not 0 <= i <= config.num_hidden_layers]
+        if bad:
+            raise ValueError(f"Qwen3Target: aux layer ids {bad} outside [0, {config.num_hidden_layers}]")
+        self.aux_layer_ids = ids
+        self.capture = AuxHiddenCapture(ids)
+        self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.max_length = 0
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    @classmethod
+    def from_pretrained(cls, path, dtype=None, device=None, aux_layer_ids=None, use_custom_ops: bool = True):
+        """Loads a local HF Qwen3 directory (config.json + safetensors, sharded or not)."""
+        directory = Path(path)
+        config = Qwen3Config.from_hf(read_config(directory), str(directory / "config.json"))
+        tensors, origin = load_tensors(directory)
+        with torch.device("meta"):
+            model = cls(config, aux_layer_ids, use_custom_ops)
+        expected = model.state_dict()
+        if config.tie_word_embeddings:
+            tensors.pop("lm_head.weight", None)
+            tensors["lm_head.weight"] = tensors.get("model.embed_tokens.weight")
+        missing = [k for k in expected if tensors.get(k) is None]
+        if missing:
+            raise CheckpointError(f"{directory}: missing weights {missing}")
+        unexpected = [k for k in tensors if k not in expected]
+        if unexpected:
+            raise CheckpointError(f"{origin.get(unexpected[0], directory)}: unexpected weights {unexpected}")
+        for key, value in tensors.items():
+            if tuple(value.shape) != tuple(expected[key].shape):
+                raise CheckpointError(f"{origin.get(key, directory)}: weight {key!r} has shape {list(value.shape)}, "
+                                      f"expected {list(expected[key].shape)}")
+        model.load_state_dict(tensors, assign=True, strict=True)
+        if config.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        model.to(device=device, dtype=dtype or model.lm_head.weight.dtype)
+        return model.eval()
+
+    def setup(self, batch_size: int, max_length: int) -> None:
+        """Preallocates the per-request KV cache ``[B * max_length, Hkv, D]`` per layer."""
+        c, w = self.config, self.lm_head.weight
+        self.batch_size, self.max_length = batch_size, max_length
+        shape = (batch_size * max_length, c.num_key_value_heads, c.head_dim)
+        self.caches = [(w.new_zeros(shape), w.new_zeros(shape)) for _ in self.model.layers]
+        self.cos_sin = rope_cos_sin_cache(max_length, c.head_dim, c.rope_theta, torch.float32, w.device, c.rope_scaling)
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        """Logits ``[B, T, V]`` (``[B, V]`` at each request's last position with ``last_only``) of
+        tokens ``[B, T]`` at positions ``[B, T]`` (-1 = padding). The aux features of all B*T rows
+        are in :attr:`capture` until the next call."""
+        c, o = self.config, self.ops
+        B, T = tokens.shape
+        if not self.caches or B != self.batch_size:
+            raise RuntimeError(f"Qwen3Target: call setup({B}, max_length) first")
+        slots = cache_slots(positions, self.max_length)
+        rope_pos = positions.reshape(-1).clamp(min=0)
+        aux = set(self.aux_layer_ids)
+        self.capture.clear()
+        x = self.model.embed_tokens(tokens.reshape(-1))
+        residual, out = x, None
+        captured = 0 in aux  # residual is a recorded tensor: update it out of place
+        if captured:
+            self.capture.record(0, x)
+        for i, layer in enumerate(self.model.layers):
+            if i == 0:
+                u = o.rms_norm(x, layer.input_layernorm.weight, c.rms_norm_eps)
+            elif i in aux or captured:
+                if i in aux:
+                    self.capture.record(i, out, residual)  # the stream entering layer i, by reference
+                residual = residual + out
+                u = o.rms_norm(residual, layer.input_layernorm.weight, c.rms_norm_eps)
+                captured = False
+            else:
+                o.fused_add_rms_norm_(out, residual, layer.input_layernorm.weight, c.rms_norm_eps)
+                u = out
+            attn = layer.self_attn
+            qkv = attn.qkv(u)
+            k_cache, v_cache = self.caches[i]
+            o.qk_norm_rope_(qkv, *attn.qk_norm_weights(), self.cos_sin, rope_pos, c.num_attention_heads,
+                            c.num_key_value_heads, c.head_dim, c.rms_norm_eps, True, k_cache, v_cache, slots)
+            q = qkv[:, : c.num_attention_heads * c.head_dim].view(B, T, c.num_attention_heads, c.head_dim)
+            context = cached_attention(q.transpose(1, 2), k_cache, v_cache, positions, self.max_length)
+            attn_out = attn.o_proj(context.transpose(1, 2).reshape(B * T, -1))
+            if captured:
+                residual = residual + attn_out
+                attn_out = o.rms_norm(residual, layer.post_attention_layernorm.weight, c.rms_norm_eps)
+                captured = False
+            else:
+                o.fused_add_rms_norm_(attn_out, residual, layer.post_attention_layernorm.weight, c.rms_norm_eps)
+            out = layer.mlp(attn_out)
+        if c.num_hidden_layers in aux:
+            self.capture.record(c.num_hidden_layers, out, residual)
+            z = o.rms_norm(residual + out, self.model.norm.weight, c.rms_norm_eps)
+        else:
+            o.fused_add_rms_norm_(out, residual, self.model.norm.weight, c.rms_norm_eps)
+            z = out
+        z = z.view(B, T, -1)
+        if last_only:
+            z = z[torch.arange(B, device=z.device), positions.argmax(dim=1)]
+        return self.lm_head(z)
