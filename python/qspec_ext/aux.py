@@ -67,9 +67,9 @@ class AuxHiddenCapture:
         hidden = [self._hidden[i] for i in self.layer_ids]
         if not self._residual:
             return hidden, None
-        if len(self._residual) != len(self.layer_ids):
-            raise RuntimeError("AuxHiddenCapture: residuals were recorded for some aux layers but not all")
-        return hidden, [self._residual[i] for i in self.layer_ids]
+        # Some layers carry a separate residual (e.g. layer 0, the embeddings, has none): the
+        # others add zeros. Rare (aux layer 0 only), so a zero tensor beats a second code path.
+        return hidden, [self._residual.get(i, torch.zeros_like(self._hidden[i])) for i in self.layer_ids]
 
     def gather(
         self,

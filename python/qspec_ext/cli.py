@@ -1,0 +1,190 @@
+"""The ``qspec`` command line: generate text with EAGLE-3 speculative decoding, or benchmark
+it against plain decoding."""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from .decode import SpeculativeDecoder, generate_plain
+from .models import Eagle3Drafter, HFTarget, Qwen3Target
+from .models.checkpoint import read_config
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def load_pair(target_dir: str, draft_dir: str, device: str, dtype: str, hf_target: bool):
+    """The target (with the drafter's aux layers) and the drafter."""
+    draft_config = read_config(Path(draft_dir))
+    aux_ids = draft_config.get("eagle_aux_hidden_state_layer_ids")
+    torch_dtype = DTYPES[dtype]
+    if hf_target:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch_dtype).to(device)
+        target = HFTarget(model, aux_ids)
+    else:
+        target = Qwen3Target.from_pretrained(target_dir, dtype=torch_dtype, device=device, aux_layer_ids=aux_ids)
+    drafter = Eagle3Drafter.from_pretrained(draft_dir, dtype=torch_dtype, device=device, target=target)
+    return target, drafter
+
+
+def load_tokenizer(target_dir: str):
+    from tokenizers import Tokenizer
+
+    path = Path(target_dir) / "tokenizer.json"
+    if not path.is_file():
+        sys.exit(f"qspec: {path} not found: the target directory needs a tokenizer.json")
+    return Tokenizer.from_file(str(path))
+
+
+def eos_token_id(target_dir: str) -> int | None:
+    for name in ("generation_config.json", "config.json"):
+        path = Path(target_dir) / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if eos is not None:
+                return eos[0] if isinstance(eos, list) else int(eos)
+    return None
+
+
+def read_prompts(args) -> list[str]:
+    if args.prompt is not None:
+        return [args.prompt]
+    lines = [line.rstrip("\n") for line in Path(args.prompts).read_text().splitlines()]
+    prompts = [line for line in lines if line.strip()]
+    if not prompts:
+        sys.exit(f"qspec: {args.prompts} holds no prompts (one per line)")
+    return prompts
+
+
+def stats_table(stats) -> str:
+    lines = [
+        f"Mean acceptance length: {stats.mean_acceptance_length:.2f}",
+        f"Drafts: {stats.num_drafts}, draft tokens: {stats.num_draft_tokens}, accepted: {stats.num_accepted_tokens}",
+    ]
+    lines += [f"Acceptance at token {i}: {rate:.2f}" for i, rate in enumerate(stats.acceptance_rate_per_position)]
+    lines.append(f"Generated {stats.num_generated_tokens} tokens in {stats.wall_time:.2f} s "
+                 f"({stats.tokens_per_second:.1f} tokens/s)")
+    return "\n".join(lines)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", required=True, help="HF Qwen3 checkpoint directory (with tokenizer.json)")
+    p.add_argument("--draft", required=True, help="EAGLE-3 drafter directory (speculators or EAGLE format)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="one prompt")
+    source.add_argument("--prompts", help="a file with one prompt per line")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="fp32", choices=list(DTYPES))
+    p.add_argument("--hf-target", action="store_true", help="run the target with transformers instead of qspec_ext")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def sampling_args(args) -> dict:
+    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+
+
+def cmd_generate(args) -> int:
+    tokenizer = load_tokenizer(args.target)
+    target, drafter = load_pair(args.target, args.draft, args.device, args.dtype, args.hf_target)
+    texts = read_prompts(args)
+    prompts = [tokenizer.encode(t).ids for t in texts]
+    decoder = SpeculativeDecoder(target, drafter, args.k)
+    result = decoder.generate(prompts, args.max_new_tokens, eos_token_id=eos_token_id(args.target), **sampling_args(args))
+    outputs = [tokenizer.decode(ids) for ids in result.tokens]
+    if args.json:
+        print(json.dumps({"outputs": [dict(prompt=p, text=o, token_ids=ids) for p, o, ids in
+                                      zip(texts, outputs, result.tokens)], "k": args.k, "stats": result.stats.as_dict()},
+                         indent=1))
+    else:
+        for prompt, output in zip(texts, outputs):
+            print(f"--- prompt: {prompt!r}\n{output}")
+        print(stats_table(result.stats))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from tqdm import tqdm
+
+    tokenizer = load_tokenizer(args.target)
+    target, drafter = load_pair(args.target, args.draft, args.device, args.dtype, args.hf_target)
+    prompts = [tokenizer.encode(t).ids for t in read_prompts(args)]
+    eos = eos_token_id(args.target)
+    runs = {}
+    with tqdm(total=len(args.k) + 1, desc="qspec bench", file=sys.stderr) as bar:
+        plain = generate_plain(target, prompts, args.max_new_tokens, eos_token_id=eos, **sampling_args(args))
+        bar.update()
+        for k in args.k:
+            runs[k] = SpeculativeDecoder(target, drafter, k).generate(prompts, args.max_new_tokens, eos_token_id=eos,
+                                                                      **sampling_args(args))
+            bar.set_postfix(k=k, acceptance_length=f"{runs[k].stats.mean_acceptance_length:.2f}")
+            bar.update()
+    rows = []
+    for k, run in runs.items():
+        s = run.stats
+        rows.append(dict(k=k, mean_acceptance_length=s.mean_acceptance_length,
+                         acceptance_per_position=s.acceptance_rate_per_position, tokens_per_second=s.tokens_per_second,
+                         speedup=s.tokens_per_second / plain.stats.tokens_per_second,
+                         identical_to_plain=run.tokens == plain.tokens if args.temperature == 0.0 else None))
+    if args.json:
+        print(json.dumps({"plain_tokens_per_second": plain.stats.tokens_per_second, "runs": rows}, indent=1))
+    else:
+        print(f"plain decoding: {plain.stats.tokens_per_second:.1f} tokens/s")
+        print(f"{'k':>3}  {'accept len':>10}  {'tokens/s':>9}  {'speed-up':>8}  {'same as plain':>13}  acceptance per position")
+        for r in rows:
+            same = "-" if r["identical_to_plain"] is None else ("yes" if r["identical_to_plain"] else "NO")
+            per = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
+            print(f"{r['k']:>3}  {r['mean_acceptance_length']:>10.2f}  {r['tokens_per_second']:>9.1f}  "
+                  f"{r['speedup']:>7.2f}x  {same:>13}  {per}")
+    if args.plot:
+        plot_acceptance(rows, args.plot)
+    return 0 if all(r["identical_to_plain"] in (True, None) for r in rows) else 1
+
+
+def plot_acceptance(rows: list[dict], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        sys.exit("qspec bench --plot needs matplotlib: pip install matplotlib")
+    ks = [r["k"] for r in rows]
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.plot(ks, [r["mean_acceptance_length"] for r in rows], marker="o", label="mean acceptance length")
+    ax.plot(ks, [k + 1 for k in ks], linestyle=":", color="gray", label="k + 1 (all accepted)")
+    ax.set_xlabel("draft tokens per step (k)")
+    ax.set_ylabel("tokens per target forward")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="qspec", description="EAGLE-3 speculative decoding with qspec_ext")
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser("generate", help="generate text with speculative decoding")
+    add_model_args(gen)
+    gen.add_argument("-k", type=int, default=3, help="draft tokens per step")
+    gen.set_defaults(run=cmd_generate)
+    bench = commands.add_parser("bench", help="speculative vs plain decoding on the same prompts")
+    add_model_args(bench)
+    bench.add_argument("-k", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7], help="draft lengths to try")
+    bench.add_argument("--plot", metavar="PATH", help="write a PNG of acceptance length by k")
+    bench.set_defaults(run=cmd_bench)
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
