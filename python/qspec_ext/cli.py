@@ -170,6 +170,25 @@ def plot_acceptance(rows: list[dict], path: str) -> None:
     print(f"wrote {path}")
 
 
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    return run_demo(quick=args.quick, device=args.device, max_new_tokens=args.max_new_tokens, ks=args.k)
+
+
+def cmd_train_drafter(args) -> int:
+    from .train import TrainConfig, train_drafter
+
+    config = TrainConfig(steps=args.steps, ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab, arch=args.arch,
+                         fc_norm=args.fc_norm, norm_output=args.norm_output, seq_len=args.seq_len,
+                         batch_size=args.batch_size, lr=args.lr, seed=args.seed)
+    _, history = train_drafter(args.target, args.data, args.out, config, device=args.device)
+    first, last = history[0], history[-1]
+    print(f"loss {first[0]:.3f} -> {last[0]:.3f}; accuracy per step "
+          f"{' '.join(f'{a:.2f}' for a in last[1])}; wrote {args.out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qspec", description="EAGLE-3 speculative decoding with qspec_ext")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -182,6 +201,28 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("-k", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7], help="draft lengths to try")
     bench.add_argument("--plot", metavar="PATH", help="write a PNG of acceptance length by k")
     bench.set_defaults(run=cmd_bench)
+    demo = commands.add_parser("demo", help="speculative decoding with the shipped Qwen3 target + EAGLE-3 drafter")
+    demo.add_argument("--quick", action="store_true", help="2 prompts, 24 tokens, k = 1 and 3")
+    demo.add_argument("--max-new-tokens", type=int, default=None)
+    demo.add_argument("-k", type=int, nargs="+", default=None, help="draft lengths (default 1..5)")
+    demo.add_argument("--device", default="cpu")
+    demo.set_defaults(run=cmd_demo)
+    train = commands.add_parser("train-drafter", help="train an EAGLE-3 drafter for a target on local text")
+    train.add_argument("--target", required=True, help="transformers causal LM directory with tokenizer.json")
+    train.add_argument("--data", nargs="+", required=True, help="text files to train on")
+    train.add_argument("--out", required=True)
+    train.add_argument("--steps", type=int, default=300)
+    train.add_argument("--ttt-steps", type=int, default=3)
+    train.add_argument("--draft-vocab", type=int, default=2048)
+    train.add_argument("--arch", choices=["qwen3", "llama"], default="qwen3")
+    train.add_argument("--fc-norm", action="store_true")
+    train.add_argument("--norm-output", action="store_true")
+    train.add_argument("--seq-len", type=int, default=256)
+    train.add_argument("--batch-size", type=int, default=8)
+    train.add_argument("--lr", type=float, default=2e-3)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    train.set_defaults(run=cmd_train_drafter)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -1,0 +1,78 @@
+"""The shipped demo pair (a small Qwen3 target and its EAGLE-3 drafter, trained on the
+Python standard library's own source) and ``qspec demo``."""
+
+import sysconfig
+import zlib
+from pathlib import Path
+
+DEMO_DIR = Path(__file__).parent / "demo_pair"
+
+
+def stdlib_files(split: str) -> list[Path]:
+    """The standard library's .py files (tests and site-packages left out), split by a hash of
+    the relative path: 1 file in 10 is held out."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith(("test", "site-packages", "idlelib/idle_test", "lib2to3/tests")) or "/test" in rel:
+            continue
+        held_out = zlib.crc32(rel.encode()) % 10 == 0
+        if held_out == (split == "heldout"):
+            files.append(path)
+    return files
+
+
+def demo_prompts(count: int, max_chars: int = 600) -> list[str]:
+    """Held-out code prompts: the start of a held-out file up to its first function header."""
+    prompts = []
+    for path in stdlib_files("heldout"):
+        text = path.read_text(errors="replace")
+        at = text.find("\ndef ")
+        if at < 0 or at > 4000:
+            continue
+        end = text.find("\n", at + 1)
+        prompts.append(text[max(0, end + 1 - max_chars) : end + 1])
+        if len(prompts) == count:
+            break
+    return prompts
+
+
+def run_demo(quick: bool = False, device: str = "cpu", max_new_tokens: int | None = None,
+             ks: list[int] | None = None) -> int:
+    """Loads the shipped pair, decodes held-out prompts with and without speculation, checks the
+    greedy outputs are identical, prints the text and the acceptance / speed table."""
+    from tokenizers import Tokenizer
+
+    from .cli import load_pair
+    from .decode import SpeculativeDecoder, generate_plain
+
+    if not (DEMO_DIR / "target" / "model.safetensors").is_file():
+        print(f"qspec demo: the demo pair is missing from {DEMO_DIR} (python scripts/make_demo_pair.py makes it)")
+        return 1
+    target, drafter = load_pair(str(DEMO_DIR / "target"), str(DEMO_DIR / "draft"), device, "fp32", hf_target=False)
+    tokenizer = Tokenizer.from_file(str(DEMO_DIR / "target" / "tokenizer.json"))
+    texts = demo_prompts(2 if quick else 4)
+    prompts = [tokenizer.encode(t).ids for t in texts]
+    new_tokens = max_new_tokens or (24 if quick else 96)
+    ks = ks or ([1, 3] if quick else [1, 2, 3, 4, 5])
+    generate_plain(target, prompts, 4)  # warm-up
+    plain = generate_plain(target, prompts, new_tokens)
+    runs = {k: SpeculativeDecoder(target, drafter, k).generate(prompts, new_tokens) for k in ks}
+    show = runs[3] if 3 in runs else runs[ks[-1]]
+    for text, ids in zip(texts, show.tokens):
+        print("=" * 72)
+        print(text.rstrip("\n")[-300:], end="")
+        print(" \u2190 prompt | generated \u2192")
+        print(tokenizer.decode(ids))
+    print("=" * 72)
+    identical = all(run.tokens == plain.tokens for run in runs.values())
+    print(f"greedy speculative output identical to plain decoding: {'yes' if identical else 'NO'}")
+    print(f"plain decoding: {plain.stats.tokens_per_second:.1f} tokens/s")
+    print(f"{'k':>2}  {'accept len':>10}  {'tokens/s':>8}  {'speed-up':>8}  acceptance at token 0..k-1")
+    for k, run in runs.items():
+        s = run.stats
+        per = " ".join(f"{a:.2f}" for a in s.acceptance_rate_per_position)
+        print(f"{k:>2}  {s.mean_acceptance_length:>10.2f}  {s.tokens_per_second:>8.1f}  "
+              f"{s.tokens_per_second / plain.stats.tokens_per_second:>7.2f}x  {per}")
+    return 0 if identical else 1

@@ -1,0 +1,217 @@
+"""Training an EAGLE-3 drafter for a target, speculators-style, on local text.
+
+Target features come from the target's aux layers on the fly; the draft vocabulary is
+the N most frequent target tokens of the data (d2t / t2d); training-time test (TTT) runs
+several draft steps, step j feeding on step j-1's outputs and attending to the real
+context plus its own earlier steps at the same index, exactly what drafting sees; the
+loss is the KL divergence to the target's next-token distribution restricted to the
+draft vocabulary.
+"""
+
+import math
+import random
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from . import reference
+from .aux import default_aux_layer_ids
+from .models import Eagle3Config, Eagle3Drafter
+from .rope import rope_cos_sin_cache
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    ttt_steps: int = 3
+    draft_vocab: int = 2048
+    arch: str = "qwen3"
+    fc_norm: bool = False
+    norm_output: bool = False
+    seq_len: int = 256
+    batch_size: int = 8
+    lr: float = 2e-3
+    seed: int = 0
+    intermediate_size: int | None = None  # default: the target's
+
+
+def token_stream(tokenizer, files: list[Path]) -> list[int]:
+    ids: list[int] = []
+    for path in files:
+        ids.extend(tokenizer.encode(Path(path).read_text(errors="replace")).ids)
+    return ids
+
+
+def batches(stream: list[int], seq_len: int, batch_size: int, seed: int):
+    """Endless random windows of seq_len tokens."""
+    rng = random.Random(seed)
+    data = torch.tensor(stream, dtype=torch.long)
+    while True:
+        starts = [rng.randrange(0, len(stream) - seq_len) for _ in range(batch_size)]
+        yield torch.stack([data[s : s + seq_len] for s in starts])
+
+
+def _rms(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _rope(x, cos, sin):  # x [B, L, heads, D], cos/sin [L, D/2]: rotate-half
+    half = x.shape[-1] // 2
+    a, b = x[..., :half], x[..., half:]
+    cos, sin = cos[:, None], sin[:, None]
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+
+def ttt_step(model: Eagle3Drafter, x, tokens, positions, cos_sin, past):
+    """One differentiable draft step over all pair indices.
+
+    x [B, L, H] the hidden input, tokens [B, L], positions [L]; past[layer] holds the
+    (k, v) of earlier steps, past[layer][0] the real context (step 1). A query at index t
+    sees step-1 keys at indices <= t and every later step's key at index t.
+    Returns logits [B, L, Vd], x_next [B, L, H] and this step's (k, v) per layer."""
+    c = model.config
+    eps, D = c.rms_norm_eps, c.head_dim
+    B, L, _ = x.shape
+    cos, sin = cos_sin[positions, : D // 2], cos_sin[positions, D // 2 :]
+    embeds = model.embed_tokens(tokens)
+    new_kv, h = [], None
+    for li, layer in enumerate(model.layers):
+        if li == 0:
+            x_hat = _rms(x, layer.hidden_norm.weight, eps)
+            residual = x_hat if c.norm_before_residual else x
+            u = torch.cat([_rms(embeds, layer.input_layernorm.weight, eps), x_hat], dim=-1)
+        else:
+            residual, u = h, _rms(h, layer.input_layernorm.weight, eps)
+        attn = layer.self_attn
+        q = attn.q_proj(u).view(B, L, c.num_attention_heads, D)
+        k = attn.k_proj(u).view(B, L, c.num_key_value_heads, D)
+        v = attn.v_proj(u).view(B, L, c.num_key_value_heads, D)
+        if c.arch == "qwen3":
+            q, k = _rms(q, attn.q_norm.weight, eps), _rms(k, attn.k_norm.weight, eps)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        new_kv.append((k, v))
+        steps = past[li] + [(k, v)]
+        group = c.num_attention_heads // c.num_key_value_heads
+        expand = lambda t: t.repeat_interleave(group, dim=2)  # noqa: E731
+        k1, v1 = expand(steps[0][0]), expand(steps[0][1])
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k1) / math.sqrt(D)
+        causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+        diag = [(q * expand(ks)).sum(-1).transpose(1, 2)[..., None] / math.sqrt(D) for ks, _ in steps[1:]]
+        weights = torch.cat([scores, *diag], dim=-1).softmax(-1)
+        out = torch.einsum("bhqk,bkhd->bqhd", weights[..., :L], v1)
+        for i, (_, vs) in enumerate(steps[1:]):
+            out = out + weights[..., L + i].transpose(1, 2)[..., None] * expand(vs)
+        h = residual + attn.o_proj(out.reshape(B, L, -1))
+        h = h + layer.mlp(_rms(h, layer.post_attention_layernorm.weight, eps))
+    z = _rms(h, model.norm.weight, eps)
+    return model.lm_head(z), (z if c.norm_output else h), new_kv
+
+
+def fc_input(model: Eagle3Drafter, features):
+    B, L, width = features.shape
+    mode, weight = model.fc_norm_mode()
+    if mode == "none":
+        return features
+    H = model.config.hidden_size
+    flat = features.reshape(B * L, width)
+    chunks = [flat[:, i * H : (i + 1) * H] for i in range(model.config.num_aux)]
+    rows = torch.arange(B * L, device=features.device)
+    return reference.gather_aux_hidden(chunks, rows, None, mode, weight, model.config.rms_norm_eps).view(B, L, width)
+
+
+def ttt_loss(model: Eagle3Drafter, target_ids, features, target_logits, ttt_steps, cos_sin):
+    """features [B, T, n*H] and target_logits [B, T, V] at positions 0..T-1 of target_ids [B, T].
+    Returns the summed loss and the top-1 accuracy of each step."""
+    B, T = target_ids.shape
+    L = T - 1  # pair t = (feature t, token t+1) at position t predicts the target's row t+1
+    draft_ids = torch.nonzero(model.t2d).flatten() if model.t2d is not None else None
+    x = model.fc(fc_input(model, features[:, :L]))
+    past = [[] for _ in model.layers]
+    total, accuracies = 0.0, []
+    for step in range(ttt_steps):
+        index = torch.arange(L, device=features.device)
+        source = (index + step + 1).clamp(max=T - 1)  # the token each pair carries
+        valid = index + step + 1 <= T - 1
+        logits, x_next, kv = ttt_step(model, x, target_ids[:, source], index + step, cos_sin, past)
+        for layer_past, layer_kv in zip(past, kv):
+            layer_past.append(layer_kv)
+        with torch.no_grad():
+            p = torch.softmax(target_logits[:, source].float(), dim=-1)
+            if draft_ids is not None:
+                p = p[..., draft_ids]
+            p = p / p.sum(-1, keepdim=True).clamp(min=1e-12)
+        log_q = torch.log_softmax(logits.float(), dim=-1)
+        per_pair = (p * (torch.log(p.clamp(min=1e-12)) - log_q)).sum(-1)  # KL(p || q)
+        total = total + per_pair[:, valid].mean()
+        accuracies.append(float((logits.argmax(-1) == p.argmax(-1))[:, valid].float().mean()))
+        x = x_next
+    return total, accuracies
+
+
+def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: str = "cpu", progress: bool = True):
+    """Trains a drafter for the transformers causal LM in target_dir and writes it (speculators format)."""
+    from tokenizers import Tokenizer
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(config.seed)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(device).eval()
+    tokenizer = Tokenizer.from_file(str(Path(target_dir) / "tokenizer.json"))
+    tc = target.config
+    aux_ids = default_aux_layer_ids(tc.num_hidden_layers)
+    stream = token_stream(tokenizer, [Path(f) for f in data_files])
+    counts = Counter(stream)
+    vocab_size = tc.vocab_size
+    draft_vocab = min(config.draft_vocab, vocab_size)
+    frequent = sorted(t for t, _ in counts.most_common(draft_vocab))
+    frequent += [t for t in range(vocab_size) if t not in set(frequent)][: draft_vocab - len(frequent)]
+    frequent = sorted(frequent)
+    rope = getattr(tc, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(tc, "rope_theta", 1_000_000.0))
+    dconfig = Eagle3Config(
+        hidden_size=tc.hidden_size, num_attention_heads=tc.num_attention_heads,
+        num_key_value_heads=tc.num_key_value_heads, head_dim=getattr(tc, "head_dim", tc.hidden_size // tc.num_attention_heads),
+        intermediate_size=config.intermediate_size or tc.intermediate_size, vocab_size=vocab_size,
+        draft_vocab_size=draft_vocab, arch=config.arch, rms_norm_eps=tc.rms_norm_eps, rope_theta=float(theta),
+        max_position_embeddings=tc.max_position_embeddings, num_aux=len(aux_ids), aux_layer_ids=aux_ids,
+        fc_norm=config.fc_norm, norm_output=config.norm_output, speculative_tokens=config.ttt_steps,
+    )
+    drafter = Eagle3Drafter(dconfig, use_custom_ops=False).to(device)
+    with torch.no_grad():
+        drafter.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
+        if drafter.d2t is not None:
+            ids = torch.tensor(frequent, device=device)
+            drafter.d2t.copy_(ids - torch.arange(draft_vocab, device=device))
+            drafter.t2d.zero_()
+            drafter.t2d[ids] = True
+            drafter.lm_head.weight.copy_(target.get_output_embeddings().weight[ids])
+    drafter.embed_tokens.weight.requires_grad_(False)
+    drafter.embeddings_borrowed = True
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s / config.steps, 1.0))))
+    cos_sin = rope_cos_sin_cache(config.seq_len + config.ttt_steps + 1, dconfig.head_dim, dconfig.rope_theta,
+                                 device=device, scaling=dconfig.rope_scaling)
+    data = batches(stream, config.seq_len, config.batch_size, config.seed)
+    history = []
+    bar = tqdm(range(config.steps), desc="train-drafter", disable=not progress)
+    for _ in bar:
+        ids = next(data).to(device)
+        with torch.no_grad():
+            out = target(ids, output_hidden_states=True)
+        features = torch.cat([out.hidden_states[i] for i in aux_ids], dim=-1)
+        loss, accuracies = ttt_loss(drafter, ids, features, out.logits, config.ttt_steps, cos_sin)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        schedule.step()
+        history.append((float(loss), accuracies))
+        bar.set_postfix(loss=f"{float(loss):.3f}", acc=" ".join(f"{a:.2f}" for a in accuracies))
+    drafter.save_pretrained(out_dir)
+    return drafter, history

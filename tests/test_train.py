@@ -1,0 +1,110 @@
+"""The drafter trainer, and the shipped demo pair."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from qspec_ext import Eagle3Drafter, Qwen3Target  # noqa: E402
+from qspec_ext.demo import DEMO_DIR, run_demo  # noqa: E402
+from qspec_ext.rope import rope_cos_sin_cache  # noqa: E402
+from qspec_ext.train import TrainConfig, train_drafter, ttt_loss, ttt_step  # noqa: E402
+
+CODE = '''
+def add(a, b):
+    """Return the sum."""
+    return a + b
+
+
+class Stack:
+    def __init__(self):
+        self.items = []
+
+    def push(self, item):
+        self.items.append(item)
+
+    def pop(self):
+        return self.items.pop()
+'''
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    root = tmp_path_factory.mktemp("train")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tokenizer.train_from_iterator([CODE] * 10, trainer)
+    config = transformers.Qwen3Config(vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=512, rope_theta=10000.0)
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(config).save_pretrained(root / "target")
+    tokenizer.save(str(root / "target" / "tokenizer.json"))
+    data = root / "code.py"
+    data.write_text(CODE * 30)
+    return root
+
+
+def test_train_drafter_lowers_the_loss_and_writes_a_loadable_checkpoint(tiny_target):
+    config = TrainConfig(steps=30, ttt_steps=3, draft_vocab=120, seq_len=48, batch_size=4, lr=3e-3, seed=0)
+    drafter, history = train_drafter(tiny_target / "target", [tiny_target / "code.py"], tiny_target / "draft", config,
+                                     progress=False)
+    first = sum(h[0] for h in history[:5]) / 5
+    last = sum(h[0] for h in history[-5:]) / 5
+    assert last < 0.8 * first, f"loss {first:.3f} -> {last:.3f}"
+    assert len(history[-1][1]) == 3
+    target = Qwen3Target.from_pretrained(tiny_target / "target", aux_layer_ids=drafter.config.aux_layer_ids)
+    loaded = Eagle3Drafter.from_pretrained(tiny_target / "draft", target=target)
+    assert loaded.config.draft_vocab_size == 120 and loaded.config.aux_layer_ids == [2, 4, 5]
+    assert int(loaded.t2d.sum()) == 120
+    for key, value in drafter.state_dict().items():
+        if key != "embed_tokens.weight":
+            assert torch.equal(loaded.state_dict()[key], value), key
+
+
+def test_ttt_step_one_is_the_drafters_forward(tiny_target):
+    """The training forward and the inference drafter compute the same first step."""
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(tiny_target / "target").eval()
+    target = Qwen3Target.from_pretrained(tiny_target / "target", aux_layer_ids=[2, 4, 5])
+    loaded = Eagle3Drafter.from_pretrained(tiny_target / "draft", target=target) if (tiny_target / "draft").exists() else None
+    if loaded is None:
+        pytest.skip("runs after the trainer test")
+    ids = torch.randint(0, hf.config.vocab_size, (2, 12))
+    with torch.no_grad():
+        out = hf(ids, output_hidden_states=True)
+        features = torch.cat([out.hidden_states[i] for i in (2, 4, 5)], -1)
+        cos_sin = rope_cos_sin_cache(32, loaded.config.head_dim, loaded.config.rope_theta)
+        x = loaded.fc(features[:, :11])
+        logits, _, _ = ttt_step(loaded, x, ids[:, 1:], torch.arange(11), cos_sin, [[] for _ in loaded.layers])
+        loss, accuracies = ttt_loss(loaded, ids, features, out.logits, 3, cos_sin)
+    loaded.setup_caches(2, 32)
+    prefill = loaded.prefill(features[:, :11], ids[:, 1:], torch.arange(11).expand(2, 11))
+    torch.testing.assert_close(prefill, logits, atol=1e-4, rtol=1e-4)
+    assert torch.isfinite(loss) and all(0 <= a <= 1 for a in accuracies)
+
+
+def test_shipped_pair_loads_in_qspec_ext_and_transformers():
+    assert (DEMO_DIR / "target" / "model.safetensors").is_file(), "the demo pair must ship with the package"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(DEMO_DIR / "target", dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(DEMO_DIR / "target")
+    ids = torch.tensor([tokenizer.encode("import os\n\ndef main():\n")])
+    target = Qwen3Target.from_pretrained(DEMO_DIR / "target", dtype=torch.float32)
+    target.setup(1, 64)
+    ours = target(ids, torch.arange(ids.shape[1])[None])
+    with torch.no_grad():
+        expected = hf(ids).logits
+    torch.testing.assert_close(ours, expected, atol=2e-4, rtol=2e-4)
+    drafter = Eagle3Drafter.from_pretrained(DEMO_DIR / "draft", target=target)
+    assert drafter.config.draft_vocab_size < target.config.vocab_size and drafter.config.arch == "qwen3"
+
+
+def test_demo_quick(capsys):
+    assert run_demo(quick=True) == 0
+    out = capsys.readouterr().out
+    assert "greedy speculative output identical to plain decoding: yes" in out
+    assert "accept len" in out
