@@ -7,6 +7,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/string_view.h>
 
+#include "checks.h"
+
 namespace qspec_ext {
 
 // ---- norm_rope: the drafter / target attention prologue ----
@@ -35,50 +37,25 @@ void qk_norm_rope_cuda(at::Tensor& qkv, const std::optional<at::Tensor>& q_weigh
                        const std::optional<at::Tensor>& v_cache, const std::optional<at::Tensor>& slot_mapping);
 
 // ---- aux_gather: target features into the drafter's fc input ----
-at::Tensor gather_aux_hidden_cpu(at::TensorList aux, const at::Tensor& indices,
-                                 std::optional<at::TensorList> residual, c10::string_view norm_mode,
-                                 const std::optional<at::Tensor>& norm_weight, double eps);
-void gather_aux_hidden_out_cpu(at::TensorList aux, const at::Tensor& indices, std::optional<at::TensorList> residual,
-                               c10::string_view norm_mode, const std::optional<at::Tensor>& norm_weight, double eps,
-                               at::Tensor& out);
-at::Tensor gather_aux_hidden_cuda(at::TensorList aux, const at::Tensor& indices,
-                                  std::optional<at::TensorList> residual, c10::string_view norm_mode,
-                                  const std::optional<at::Tensor>& norm_weight, double eps);
-void gather_aux_hidden_out_cuda(at::TensorList aux, const at::Tensor& indices,
-                                std::optional<at::TensorList> residual, c10::string_view norm_mode,
-                                const std::optional<at::Tensor>& norm_weight, double eps, at::Tensor& out);
+// The device halves; the op entry points around them are templates in aux_gather_entry.h.
+void gather_aux_hidden_cpu(std::string_view op, at::TensorList aux, const at::Tensor& indices,
+                           const std::optional<at::TensorList>& residual, const std::optional<at::Tensor>& norm_weight,
+                           double eps, const AuxGatherShape& s, at::Tensor& out);
+void gather_aux_hidden_cuda(std::string_view op, at::TensorList aux, const at::Tensor& indices,
+                            const std::optional<at::TensorList>& residual, const std::optional<at::Tensor>& norm_weight,
+                            double eps, const AuxGatherShape& s, at::Tensor& out);
 
 // ---- verify: batched draft verification ----
-std::tuple<at::Tensor, at::Tensor> verify_greedy_cpu(const at::Tensor& draft_ids, const at::Tensor& target_logits,
-                                                     const std::optional<at::Tensor>& num_draft);
-void verify_greedy_out_cpu(const at::Tensor& draft_ids, const at::Tensor& target_logits,
-                           const std::optional<at::Tensor>& num_draft, at::Tensor& out_ids, at::Tensor& num_accepted);
-std::tuple<at::Tensor, at::Tensor> verify_sampling_cpu(const at::Tensor& draft_ids,
-                                                       const std::optional<at::Tensor>& draft_probs,
-                                                       const at::Tensor& target_logits, const at::Tensor& temperature,
-                                                       const at::Tensor& seed, const at::Tensor& offset,
-                                                       const std::optional<at::Tensor>& d2t,
-                                                       const std::optional<at::Tensor>& num_draft);
-void verify_sampling_out_cpu(const at::Tensor& draft_ids, const std::optional<at::Tensor>& draft_probs,
-                             const at::Tensor& target_logits, const at::Tensor& temperature, const at::Tensor& seed,
-                             const at::Tensor& offset, const std::optional<at::Tensor>& d2t,
-                             const std::optional<at::Tensor>& num_draft, at::Tensor& out_ids,
-                             at::Tensor& num_accepted);
-
-std::tuple<at::Tensor, at::Tensor> verify_greedy_cuda(const at::Tensor& draft_ids, const at::Tensor& target_logits,
-                                                     const std::optional<at::Tensor>& num_draft);
-void verify_greedy_out_cuda(const at::Tensor& draft_ids, const at::Tensor& target_logits,
-                           const std::optional<at::Tensor>& num_draft, at::Tensor& out_ids, at::Tensor& num_accepted);
-std::tuple<at::Tensor, at::Tensor> verify_sampling_cuda(const at::Tensor& draft_ids,
-                                                       const std::optional<at::Tensor>& draft_probs,
-                                                       const at::Tensor& target_logits, const at::Tensor& temperature,
-                                                       const at::Tensor& seed, const at::Tensor& offset,
-                                                       const std::optional<at::Tensor>& d2t,
-                                                       const std::optional<at::Tensor>& num_draft);
-void verify_sampling_out_cuda(const at::Tensor& draft_ids, const std::optional<at::Tensor>& draft_probs,
-                             const at::Tensor& target_logits, const at::Tensor& temperature, const at::Tensor& seed,
-                             const at::Tensor& offset, const std::optional<at::Tensor>& d2t,
-                             const std::optional<at::Tensor>& num_draft, at::Tensor& out_ids,
-                             at::Tensor& num_accepted);
+// The device halves; the op entry points around them are templates in verify_entry.h.
+void verify_cpu(std::string_view op, const at::Tensor& draft_ids, const std::optional<at::Tensor>& draft_probs,
+                const at::Tensor& target_logits, const std::optional<at::Tensor>& temperature,
+                const std::optional<at::Tensor>& seed, const std::optional<at::Tensor>& offset,
+                const std::optional<at::Tensor>& d2t, const std::optional<at::Tensor>& num_draft,
+                const VerifyShape& s, at::Tensor& out_ids, at::Tensor& num_accepted);
+void verify_cuda(std::string_view op, const at::Tensor& draft_ids, const std::optional<at::Tensor>& draft_probs,
+                 const at::Tensor& target_logits, const std::optional<at::Tensor>& temperature,
+                 const std::optional<at::Tensor>& seed, const std::optional<at::Tensor>& offset,
+                 const std::optional<at::Tensor>& d2t, const std::optional<at::Tensor>& num_draft,
+                 const VerifyShape& s, at::Tensor& out_ids, at::Tensor& num_accepted);
 
 }  // namespace qspec_ext

@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include "cpu_common.h"
+#include "aux_gather_entry.h"
 #include "ops.h"
 #include "qspec_ext/aux_gather.h"
 
@@ -63,7 +64,9 @@ QSPEC_CPU_CLONES void gather_rows(const AuxGatherParams<c10::BFloat16>& p, const
   gather_rows_impl(p, w, b, e);
 }
 
-void gather_into(std::string_view op, at::TensorList aux, const at::Tensor& indices,
+}  // namespace
+
+void gather_aux_hidden_cpu(std::string_view op, at::TensorList aux, const at::Tensor& indices,
                  const std::optional<at::TensorList>& residual, const std::optional<at::Tensor>& norm_weight,
                  double eps, const AuxGatherShape& s, at::Tensor& out) {
   QSPEC_CHECK(aux[0].device().is_cpu(), op, "aux[0]", "must be a CPU tensor for the CPU kernel, got ",
@@ -97,30 +100,9 @@ void gather_into(std::string_view op, at::TensorList aux, const at::Tensor& indi
   });
 }
 
-}  // namespace
-
-at::Tensor gather_aux_hidden_cpu(at::TensorList aux, const at::Tensor& indices,
-                                 std::optional<at::TensorList> residual, c10::string_view norm_mode,
-                                 const std::optional<at::Tensor>& norm_weight, double eps) {
-  constexpr std::string_view op = "gather_aux_hidden";
-  const AuxGatherShape s = check_gather_aux_hidden(op, aux, indices, residual, norm_mode, norm_weight);
-  at::Tensor out = at::empty({s.num_rows, s.num_aux * s.hidden}, aux[0].options());
-  gather_into(op, aux, indices, residual, norm_weight, eps, s, out);
-  return out;
-}
-
-void gather_aux_hidden_out_cpu(at::TensorList aux, const at::Tensor& indices, std::optional<at::TensorList> residual,
-                               c10::string_view norm_mode, const std::optional<at::Tensor>& norm_weight, double eps,
-                               at::Tensor& out) {
-  constexpr std::string_view op = "gather_aux_hidden_out";
-  const AuxGatherShape s = check_gather_aux_hidden(op, aux, indices, residual, norm_mode, norm_weight);
-  check_gather_out(out, s, aux[0]);
-  gather_into(op, aux, indices, residual, norm_weight, eps, s, out);
-}
-
 TORCH_LIBRARY_IMPL(qspec_ext, CPU, m) {
-  m.impl("gather_aux_hidden", &gather_aux_hidden_cpu);
-  m.impl("gather_aux_hidden_out", &gather_aux_hidden_out_cpu);
+  m.impl("gather_aux_hidden", &gather_aux_hidden_entry<gather_aux_hidden_cpu>);
+  m.impl("gather_aux_hidden_out", &gather_aux_hidden_out_entry<gather_aux_hidden_cpu>);
 }
 
 }  // namespace qspec_ext

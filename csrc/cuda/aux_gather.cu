@@ -10,6 +10,7 @@
 
 #include "checks.h"
 #include "common.cuh"
+#include "aux_gather_entry.h"
 #include "ops.h"
 #include "qspec_ext/aux_gather.h"
 #include "qspec_ext/norm_rope.h"
@@ -90,7 +91,9 @@ __global__ void gather_aux_hidden_kernel(const AuxGatherParams<T> p) {
   }
 }
 
-void gather_into(std::string_view op, at::TensorList aux, const at::Tensor& indices,
+}  // namespace
+
+void gather_aux_hidden_cuda(std::string_view op, at::TensorList aux, const at::Tensor& indices,
                  const std::optional<at::TensorList>& residual, const std::optional<at::Tensor>& norm_weight,
                  double eps, const AuxGatherShape& s, at::Tensor& out) {
   QSPEC_CHECK(aux[0].is_cuda(), op, "aux[0]", "must be a CUDA tensor for the CUDA kernel, got ", aux[0].device());
@@ -131,30 +134,9 @@ void gather_into(std::string_view op, at::TensorList aux, const at::Tensor& indi
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-}  // namespace
-
-at::Tensor gather_aux_hidden_cuda(at::TensorList aux, const at::Tensor& indices,
-                                  std::optional<at::TensorList> residual, c10::string_view norm_mode,
-                                  const std::optional<at::Tensor>& norm_weight, double eps) {
-  constexpr std::string_view op = "gather_aux_hidden";
-  const AuxGatherShape s = check_gather_aux_hidden(op, aux, indices, residual, norm_mode, norm_weight);
-  at::Tensor out = at::empty({s.num_rows, s.num_aux * s.hidden}, aux[0].options());
-  gather_into(op, aux, indices, residual, norm_weight, eps, s, out);
-  return out;
-}
-
-void gather_aux_hidden_out_cuda(at::TensorList aux, const at::Tensor& indices,
-                                std::optional<at::TensorList> residual, c10::string_view norm_mode,
-                                const std::optional<at::Tensor>& norm_weight, double eps, at::Tensor& out) {
-  constexpr std::string_view op = "gather_aux_hidden_out";
-  const AuxGatherShape s = check_gather_aux_hidden(op, aux, indices, residual, norm_mode, norm_weight);
-  check_gather_out(out, s, aux[0]);
-  gather_into(op, aux, indices, residual, norm_weight, eps, s, out);
-}
-
 TORCH_LIBRARY_IMPL(qspec_ext, CUDA, m) {
-  m.impl("gather_aux_hidden", &gather_aux_hidden_cuda);
-  m.impl("gather_aux_hidden_out", &gather_aux_hidden_out_cuda);
+  m.impl("gather_aux_hidden", &gather_aux_hidden_entry<gather_aux_hidden_cuda>);
+  m.impl("gather_aux_hidden_out", &gather_aux_hidden_out_entry<gather_aux_hidden_cuda>);
 }
 
 }  // namespace qspec_ext

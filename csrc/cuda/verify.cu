@@ -13,6 +13,7 @@
 #include "checks.h"
 #include "common.cuh"
 #include "ops.h"
+#include "verify_entry.h"
 #include "qspec_ext/verify.h"
 
 namespace qspec_ext {
@@ -261,6 +262,8 @@ __global__ void __launch_bounds__(kThreads) emit_kernel(const VerifyParams<T> p)
   }
 }
 
+}  // namespace
+
 void verify_cuda(std::string_view op, const at::Tensor& draft_ids, const std::optional<at::Tensor>& draft_probs,
                  const at::Tensor& target_logits, const std::optional<at::Tensor>& temperature,
                  const std::optional<at::Tensor>& seed, const std::optional<at::Tensor>& offset,
@@ -271,43 +274,13 @@ void verify_cuda(std::string_view op, const at::Tensor& draft_ids, const std::op
   if (s.batch == 0) return;
   const c10::cuda::CUDAGuard guard(target_logits.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  at::Tensor rows = at::empty({s.batch * (s.num_draft_max + 1) * static_cast<int64_t>(sizeof(VerifyRowStats))},
-                              target_logits.options().dtype(at::kByte));
+  at::Tensor rows = verify_rows_workspace(s, target_logits);
   at::Tensor q_dense;
   if (s.has_d2t) q_dense = at::empty({s.batch, s.vocab}, target_logits.options().dtype(at::kFloat));
   QSPEC_DISPATCH_ACTIVATION(target_logits.scalar_type(), "verify_cuda", [&] {
-    VerifyParams<scalar_t> p{};
-    p.draft_ids = draft_ids.const_data_ptr<int64_t>();
-    p.draft_stride = draft_ids.stride(0);
-    p.draft_col_stride = draft_ids.stride(1);
-    p.logits = target_logits.const_data_ptr<scalar_t>();
-    p.logits_stride_b = target_logits.stride(0);
-    p.logits_stride_i = target_logits.stride(1);
-    if (s.has_probs) {
-      p.draft_probs = draft_probs->const_data_ptr();
-      p.probs_f32 = draft_probs->scalar_type() == at::kFloat;
-      p.probs_stride_b = draft_probs->stride(0);
-      p.probs_stride_i = draft_probs->stride(1);
-    }
-    if (s.has_d2t) {
-      p.d2t = d2t->const_data_ptr();
-      p.d2t_i64 = d2t->scalar_type() == at::kLong;
-      p.q_dense = q_dense.data_ptr<float>();
-    }
-    if (s.has_num_draft) {
-      p.num_draft = num_draft->const_data_ptr();
-      p.num_draft_i64 = num_draft->scalar_type() == at::kLong;
-    }
-    p.temperature = temperature.has_value() ? temperature->const_data_ptr<float>() : nullptr;
-    p.seed = seed.has_value() ? seed->const_data_ptr<int64_t>() : nullptr;
-    p.offset = offset.has_value() ? offset->const_data_ptr<int64_t>() : nullptr;
-    p.rows = reinterpret_cast<VerifyRowStats*>(rows.data_ptr());
-    p.out_ids = out_ids.data_ptr<int64_t>();
-    p.num_accepted = num_accepted.data_ptr<int64_t>();
-    p.batch = s.batch;
-    p.num_draft_max = s.num_draft_max;
-    p.vocab = s.vocab;
-    p.draft_vocab = s.draft_vocab;
+    const VerifyParams<scalar_t> p = verify_params<scalar_t>(draft_ids, draft_probs, target_logits, temperature, seed,
+                                                             offset, d2t, num_draft, s, rows, (s.has_d2t ? q_dense.data_ptr<float>() : nullptr), out_ids,
+                                                             num_accepted);
     row_stats_kernel<scalar_t><<<dim3(s.num_draft_max + 1, s.batch), kThreads, 0, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     emit_kernel<scalar_t><<<s.batch, kThreads, 0, stream>>>(p);
@@ -315,59 +288,11 @@ void verify_cuda(std::string_view op, const at::Tensor& draft_ids, const std::op
   });
 }
 
-}  // namespace
-
-std::tuple<at::Tensor, at::Tensor> verify_greedy_cuda(const at::Tensor& draft_ids, const at::Tensor& target_logits,
-                                                      const std::optional<at::Tensor>& num_draft) {
-  constexpr std::string_view op = "verify_greedy";
-  const VerifyShape s = check_verify(op, draft_ids, target_logits, num_draft, {}, {}, {}, {}, {});
-  at::Tensor out_ids = at::empty({s.batch, s.num_draft_max + 1}, draft_ids.options());
-  at::Tensor num_accepted = at::empty({s.batch}, draft_ids.options());
-  verify_cuda(op, draft_ids, {}, target_logits, {}, {}, {}, {}, num_draft, s, out_ids, num_accepted);
-  return {out_ids, num_accepted};
-}
-
-void verify_greedy_out_cuda(const at::Tensor& draft_ids, const at::Tensor& target_logits,
-                            const std::optional<at::Tensor>& num_draft, at::Tensor& out_ids,
-                            at::Tensor& num_accepted) {
-  constexpr std::string_view op = "verify_greedy_out";
-  const VerifyShape s = check_verify(op, draft_ids, target_logits, num_draft, {}, {}, {}, {}, {});
-  check_verify_out(op, out_ids, num_accepted, s, target_logits);
-  verify_cuda(op, draft_ids, {}, target_logits, {}, {}, {}, {}, num_draft, s, out_ids, num_accepted);
-}
-
-std::tuple<at::Tensor, at::Tensor> verify_sampling_cuda(const at::Tensor& draft_ids,
-                                                        const std::optional<at::Tensor>& draft_probs,
-                                                        const at::Tensor& target_logits,
-                                                        const at::Tensor& temperature, const at::Tensor& seed,
-                                                        const at::Tensor& offset, const std::optional<at::Tensor>& d2t,
-                                                        const std::optional<at::Tensor>& num_draft) {
-  constexpr std::string_view op = "verify_sampling";
-  const VerifyShape s = check_verify(op, draft_ids, target_logits, num_draft, draft_probs, temperature, seed, offset, d2t);
-  at::Tensor out_ids = at::empty({s.batch, s.num_draft_max + 1}, draft_ids.options());
-  at::Tensor num_accepted = at::empty({s.batch}, draft_ids.options());
-  verify_cuda(op, draft_ids, draft_probs, target_logits, temperature, seed, offset, d2t, num_draft, s, out_ids,
-              num_accepted);
-  return {out_ids, num_accepted};
-}
-
-void verify_sampling_out_cuda(const at::Tensor& draft_ids, const std::optional<at::Tensor>& draft_probs,
-                              const at::Tensor& target_logits, const at::Tensor& temperature, const at::Tensor& seed,
-                              const at::Tensor& offset, const std::optional<at::Tensor>& d2t,
-                              const std::optional<at::Tensor>& num_draft, at::Tensor& out_ids,
-                              at::Tensor& num_accepted) {
-  constexpr std::string_view op = "verify_sampling_out";
-  const VerifyShape s = check_verify(op, draft_ids, target_logits, num_draft, draft_probs, temperature, seed, offset, d2t);
-  check_verify_out(op, out_ids, num_accepted, s, target_logits);
-  verify_cuda(op, draft_ids, draft_probs, target_logits, temperature, seed, offset, d2t, num_draft, s, out_ids,
-              num_accepted);
-}
-
 TORCH_LIBRARY_IMPL(qspec_ext, CUDA, m) {
-  m.impl("verify_greedy", &verify_greedy_cuda);
-  m.impl("verify_greedy_out", &verify_greedy_out_cuda);
-  m.impl("verify_sampling", &verify_sampling_cuda);
-  m.impl("verify_sampling_out", &verify_sampling_out_cuda);
+  m.impl("verify_greedy", &verify_greedy_entry<verify_cuda>);
+  m.impl("verify_greedy_out", &verify_greedy_out_entry<verify_cuda>);
+  m.impl("verify_sampling", &verify_sampling_entry<verify_cuda>);
+  m.impl("verify_sampling_out", &verify_sampling_out_entry<verify_cuda>);
 }
 
 }  // namespace qspec_ext

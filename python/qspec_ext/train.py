@@ -211,7 +211,7 @@ def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: 
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         schedule.step()
-        history.append((float(loss), accuracies))
-        bar.set_postfix(loss=f"{float(loss):.3f}", acc=" ".join(f"{a:.2f}" for a in accuracies))
+        history.append((float(loss.detach()), accuracies))
+        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", acc=" ".join(f"{a:.2f}" for a in accuracies))
     drafter.save_pretrained(out_dir)
     return drafter, history

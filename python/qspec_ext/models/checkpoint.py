@@ -65,3 +65,17 @@ def save_tensors(directory: str | Path, tensors: dict[str, torch.Tensor], config
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(directory / "model.safetensors"))
+
+
+def check_tensors(directory: Path, tensors: dict, origin: dict, expected: dict, optional: tuple[str, ...] = ()) -> None:
+    """Raises CheckpointError for missing (except optional), unexpected or wrongly shaped weights."""
+    missing = [k for k in expected if tensors.get(k) is None and k not in optional]
+    if missing:
+        raise CheckpointError(f"{directory}: missing weights {missing}")
+    unexpected = [k for k in tensors if k not in expected]
+    if unexpected:
+        raise CheckpointError(f"{origin.get(unexpected[0], directory)}: unexpected weights {unexpected}")
+    for key, value in tensors.items():
+        if value is not None and tuple(value.shape) != tuple(expected[key].shape):
+            raise CheckpointError(f"{origin.get(key, directory)}: weight {key!r} has shape {list(value.shape)}, "
+                                  f"expected {list(expected[key].shape)}")

@@ -24,7 +24,7 @@ from torch import nn
 
 from .. import ops, reference
 from ..rope import rope_cos_sin_cache
-from .checkpoint import CheckpointError, load_tensors, read_config, save_tensors
+from .checkpoint import CheckpointError, check_tensors, load_tensors, read_config, save_tensors
 from .layers import MLP, Attention, RMSNormWeight, cache_slots, cached_attention
 
 logger = logging.getLogger(__name__)
@@ -404,17 +404,7 @@ class Eagle3Drafter(nn.Module):
             raise CheckpointError(
                 f"{directory}: the checkpoint has no embed_tokens.weight; pass target= to borrow the target's embeddings"
             )
-        missing = [k for k in expected if k not in tensors and not (borrowed and k == "embed_tokens.weight")]
-        if missing:
-            raise CheckpointError(f"{directory}: missing weights {missing}")
-        unexpected = [k for k in tensors if k not in expected]
-        if unexpected:
-            raise CheckpointError(f"{origin[unexpected[0]]}: unexpected weights {unexpected}")
-        for key, value in tensors.items():
-            if tuple(value.shape) != tuple(expected[key].shape):
-                raise CheckpointError(
-                    f"{origin[key]}: weight {key!r} has shape {list(value.shape)}, expected {list(expected[key].shape)}"
-                )
+        check_tensors(directory, tensors, origin, expected, optional=("embed_tokens.weight",) if borrowed else ())
         if borrowed:
             tensors["embed_tokens.weight"] = target.get_input_embeddings().weight
         model.load_state_dict(tensors, assign=True, strict=True)

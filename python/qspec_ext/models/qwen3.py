@@ -10,7 +10,7 @@ from torch import nn
 from .. import ops, reference
 from ..aux import AuxHiddenCapture, default_aux_layer_ids
 from ..rope import rope_cos_sin_cache
-from .checkpoint import CheckpointError, load_tensors, read_config
+from .checkpoint import CheckpointError, check_tensors, load_tensors, read_config
 from .layers import MLP, Attention, RMSNormWeight, cache_slots, cached_attention
 
 
@@ -114,16 +114,7 @@ class Qwen3Target(nn.Module):
         if config.tie_word_embeddings:
             tensors.pop("lm_head.weight", None)
             tensors["lm_head.weight"] = tensors.get("model.embed_tokens.weight")
-        missing = [k for k in expected if tensors.get(k) is None]
-        if missing:
-            raise CheckpointError(f"{directory}: missing weights {missing}")
-        unexpected = [k for k in tensors if k not in expected]
-        if unexpected:
-            raise CheckpointError(f"{origin.get(unexpected[0], directory)}: unexpected weights {unexpected}")
-        for key, value in tensors.items():
-            if tuple(value.shape) != tuple(expected[key].shape):
-                raise CheckpointError(f"{origin.get(key, directory)}: weight {key!r} has shape {list(value.shape)}, "
-                                      f"expected {list(expected[key].shape)}")
+        check_tensors(directory, tensors, origin, expected)
         model.load_state_dict(tensors, assign=True, strict=True)
         if config.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
