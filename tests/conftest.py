@@ -35,3 +35,9 @@ def assert_cuda_script_fails_with(script: str, message: str) -> None:
                           env=os.environ)
     assert proc.returncode != 0
     assert message in proc.stdout + proc.stderr
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    """Every test starts from the same random state: results never depend on test order."""
+    torch.manual_seed(0)

@@ -161,7 +161,7 @@ def test_eos_and_limits(hf_dir):
     for tokens, full in zip(spec.tokens, plain.tokens):
         expected = full[: full.index(eos) + 1] if eos in full else full
         assert tokens == expected
-    with pytest.raises(ValueError, match=r"a prompt of 300 tokens \+ max_new_tokens=10 \(\+4 for drafts\) does not fit the cache of 256"):
+    with pytest.raises(ValueError, match=r"a prompt of 300 tokens \+ max_new_tokens=10 \(\+6 for drafts\) does not fit the cache of 256"):
         SpeculativeDecoder(target, make_drafter(), 3).generate([[1] * 300], 10)
     with pytest.raises(ValueError, match=r"the target exposes 2 aux layers \[1, 3\], the drafter's fc takes 3"):
         SpeculativeDecoder(Qwen3Target.from_pretrained(hf_dir, aux_layer_ids=[1, 3]), make_drafter(), 3)

@@ -64,11 +64,11 @@ def test_greedy_matches_reference(device, dtype, batch, k, vocab):
 
 
 def test_greedy_nan_and_inf_rows_follow_torch_argmax(device):
-    logits = torch.randn(2, 3, 10)
+    logits = torch.randn(2, 3, 10, generator=torch.Generator().manual_seed(0))
     logits[0, 0, 4] = float("nan")
     logits[0, 0, 7] = float("nan")
     logits[1, :, :] = float("-inf")
-    drafts = torch.tensor([[4, 1], [0, 0]])
+    drafts = torch.tensor([[4, (int(logits[0, 1].argmax()) + 1) % 10], [0, 0]])  # row 1 of request 0 rejects
     out, accepted = qspec_ext.verify_greedy(drafts.to(device), logits.to(device))
     assert out.cpu().tolist() == [[4, int(logits[0, 1].argmax()), -1], [0, 0, 0]]
     assert accepted.tolist() == [1, 2]

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import torch
 
-from .decode import SpeculativeDecoder, generate_plain
+from functools import partial
+
+from .decode import SpeculativeDecoder, generate_plain, in_batches
 from .models import Eagle3Drafter, HFTarget, Qwen3Target
 from .models.checkpoint import read_config
 
@@ -50,7 +52,21 @@ def eos_token_id(target_dir: str) -> int | None:
     return None
 
 
+def resolve_models(args) -> None:
+    if args.demo is not None:
+        from .demo import DEMO_DIR
+
+        args.target = args.target or str(DEMO_DIR / "target")
+        args.draft = args.draft or str(DEMO_DIR / "draft")
+    if args.target is None or args.draft is None:
+        sys.exit("qspec: --target and --draft are required (or --demo N for the shipped pair)")
+
+
 def read_prompts(args) -> list[str]:
+    if args.demo is not None:
+        from .demo import demo_prompts
+
+        return demo_prompts(args.demo)
     if args.prompt is not None:
         return [args.prompt]
     lines = [line.rstrip("\n") for line in Path(args.prompts).read_text().splitlines()]
@@ -72,11 +88,13 @@ def stats_table(stats) -> str:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", required=True, help="HF Qwen3 checkpoint directory (with tokenizer.json)")
-    p.add_argument("--draft", required=True, help="EAGLE-3 drafter directory (speculators or EAGLE format)")
+    p.add_argument("--target", help="HF Qwen3 checkpoint directory (with tokenizer.json)")
+    p.add_argument("--draft", help="EAGLE-3 drafter directory (speculators or EAGLE format)")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="one prompt")
     source.add_argument("--prompts", help="a file with one prompt per line")
+    source.add_argument("--demo", type=int, metavar="N",
+                        help="the shipped demo pair (unless --target/--draft) on N held-out code prompts")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=None)
@@ -93,6 +111,7 @@ def sampling_args(args) -> dict:
 
 
 def cmd_generate(args) -> int:
+    resolve_models(args)
     tokenizer = load_tokenizer(args.target)
     target, drafter = load_pair(args.target, args.draft, args.device, args.dtype, args.hf_target)
     texts = read_prompts(args)
@@ -114,17 +133,18 @@ def cmd_generate(args) -> int:
 def cmd_bench(args) -> int:
     from tqdm import tqdm
 
+    resolve_models(args)
     tokenizer = load_tokenizer(args.target)
     target, drafter = load_pair(args.target, args.draft, args.device, args.dtype, args.hf_target)
     prompts = [tokenizer.encode(t).ids for t in read_prompts(args)]
     eos = eos_token_id(args.target)
     runs = {}
+    common = dict(max_new_tokens=args.max_new_tokens, eos_token_id=eos, **sampling_args(args))
     with tqdm(total=len(args.k) + 1, desc="qspec bench", file=sys.stderr) as bar:
-        plain = generate_plain(target, prompts, args.max_new_tokens, eos_token_id=eos, **sampling_args(args))
+        plain = in_batches(partial(generate_plain, target), prompts, args.batch_size, **common)
         bar.update()
         for k in args.k:
-            runs[k] = SpeculativeDecoder(target, drafter, k).generate(prompts, args.max_new_tokens, eos_token_id=eos,
-                                                                      **sampling_args(args))
+            runs[k] = in_batches(SpeculativeDecoder(target, drafter, k).generate, prompts, args.batch_size, **common)
             bar.set_postfix(k=k, acceptance_length=f"{runs[k].stats.mean_acceptance_length:.2f}")
             bar.update()
     rows = []
@@ -200,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     add_model_args(bench)
     bench.add_argument("-k", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7], help="draft lengths to try")
     bench.add_argument("--plot", metavar="PATH", help="write a PNG of acceptance length by k")
+    bench.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (default 1: single stream)")
     bench.set_defaults(run=cmd_bench)
     demo = commands.add_parser("demo", help="speculative decoding with the shipped Qwen3 target + EAGLE-3 drafter")
     demo.add_argument("--quick", action="store_true", help="2 prompts, 24 tokens, k = 1 and 3")

@@ -56,6 +56,25 @@ class GenerateResult:
     stats: SpecDecodeStats
 
 
+def in_batches(generate, prompts: list[list[int]], batch_size: int, **kwargs) -> GenerateResult:
+    """Runs generate(prompts_chunk, **kwargs) over chunks of batch_size prompts; one result
+    with the tokens in order and the stats summed (tokens/s over the total wall time)."""
+    tokens: list[list[int]] = []
+    total = SpecDecodeStats()
+    for start in range(0, len(prompts), batch_size):
+        result = generate(prompts[start : start + batch_size], **kwargs)
+        tokens += result.tokens
+        s = result.stats
+        total.num_drafts += s.num_drafts
+        total.num_draft_tokens += s.num_draft_tokens
+        total.num_accepted_tokens += s.num_accepted_tokens
+        total.num_generated_tokens += s.num_generated_tokens
+        total.wall_time += s.wall_time
+        per = total.accepted_per_position or [0] * len(s.accepted_per_position)
+        total.accepted_per_position = [a + b for a, b in zip(per, s.accepted_per_position)]
+    return GenerateResult(tokens, total)
+
+
 class _Sampler:
     """Picks the target's own tokens outside verification (the first token, plain decoding)."""
 
@@ -154,11 +173,13 @@ class SpeculativeDecoder:
                  top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
                  seed: int = 0) -> GenerateResult:
         k, target, drafter = self.k, self.target, self.drafter
-        _check_prompts(prompts, max_new_tokens, k + 1, self.max_length)
+        # A request's last step may accept k drafts past max_new_tokens, and the drafter then
+        # drafts k - 1 more positions: the caches hold 2k positions beyond the new tokens.
+        _check_prompts(prompts, max_new_tokens, 2 * k, self.max_length)
         device = drafter.fc.weight.device
         start = time.perf_counter()
         batch = len(prompts)
-        cache_length = max(len(p) for p in prompts) + max_new_tokens + k + 1
+        cache_length = max(len(p) for p in prompts) + max_new_tokens + 2 * k
         target.setup(batch, cache_length)
         drafter.setup_caches(batch, cache_length)
         sampler = _Sampler(batch, temperature, top_k, top_p, seed, device)
