@@ -61,6 +61,7 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="fail if greedy speculative output differs from plain")
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--min-time", type=float, default=0.0, help="accepted for gpu_check.sh; unused")
+    parser.add_argument("--no-compile", action="store_true", help="accepted for gpu_check.sh; unused")
     args = parser.parse_args()
     rows, failures = [], 0
     for use_custom_ops in (True, False):

@@ -115,8 +115,8 @@ class OracleDrafter:
     def setup_caches(self, batch, length):
         self.inner.setup_caches(batch, length)
 
-    def prefill(self, features, tokens, positions, normalized=False):
-        self.inner.prefill(features, tokens, positions, normalized)
+    def prefill(self, features, tokens, positions, normalized=False, max_position=None):
+        self.inner.prefill(features, tokens, positions, normalized, max_position)
 
     def draft(self, k):
         newest = self.inner.state.next_position.tolist()  # position of the newest token

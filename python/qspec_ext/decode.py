@@ -201,6 +201,7 @@ class SpeculativeDecoder:
         generated: list[list[int]] = [[] for _ in prompts]
         done = [_finish(g, [t], max_new_tokens, eos_token_id) for g, t in zip(generated, first.tolist())]
         last, position = first, lengths  # the newest token and its position (not yet in the target's cache)
+        position_host = [len(p) for p in prompts]
         offsets = torch.arange(k + 1, device=device)
         seeds = torch.tensor([seed * 1_000_003 + b for b in range(batch)], device=device)
         while not all(done):
@@ -213,16 +214,18 @@ class SpeculativeDecoder:
             else:
                 ones = torch.ones(batch, device=device)
                 out, accepted = verify_sampling(drafts, None, sampler.process(logits), ones, seeds, position + 1)
+            out_host, accepted_host = out.tolist(), accepted.tolist()  # the one sync: stopping needs it
             # The drafter's next pairs: features of [last, accepted drafts] with the tokens after them.
             keep = (offsets <= accepted[:, None]) & active[:, None]
             rows = torch.where(keep, torch.arange(batch * (k + 1), device=device).view(batch, k + 1), -1)
             fc_input = target.capture.gather(rows.reshape(-1), norm_mode, norm_weight, eps)
+            top = max(position_host[b] + accepted_host[b] for b in range(batch) if not done[b])
             drafter.prefill(fc_input.view(batch, k + 1, -1), out.clamp(min=0), torch.where(keep, step_pos, -1),
-                            normalized=True)
+                            normalized=True, max_position=top)
             last = out.gather(1, accepted[:, None])[:, 0]
             position = position + accepted + 1
+            position_host = [p + a + 1 for p, a in zip(position_host, accepted_host)]
 
-            out_host, accepted_host = out.tolist(), accepted.tolist()  # the one sync: stopping needs it
             for b in range(batch):
                 if done[b]:
                     continue

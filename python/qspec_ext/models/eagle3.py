@@ -327,13 +327,14 @@ class Eagle3Drafter(nn.Module):
     # ------------------------------------------------------------------ drafting API
     @torch.no_grad()
     def prefill(self, aux_features: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
-                normalized: bool = False) -> torch.Tensor:
+                normalized: bool = False, max_position: int | None = None) -> torch.Tensor:
         """Runs pairs (features of token t, token t+1) at ``positions`` (``[B, T]``, -1 = padding)
         through the drafter, filling the KV cache; returns draft logits ``[B, T, Vd]`` and keeps
         the last pair of each request as the start of the next :meth:`draft`. Also used after a
         verification with the accepted tokens (positions rewind the cache). ``normalized``: the
-        features are already the fc input (gathered with :meth:`fc_norm_mode`)."""
-        top = int(positions.max())
+        features are already the fc input (gathered with :meth:`fc_norm_mode`). ``max_position``:
+        the largest position, when the caller knows it (saves a host synchronization)."""
+        top = int(positions.max()) if max_position is None else max_position
         if top >= self.max_length:
             raise ValueError(f"Eagle3Drafter.prefill: position {top} beyond the cache ({self.max_length})")
         logits, x_next = self.forward_pairs(aux_features, next_tokens, positions, True, normalized)

@@ -144,18 +144,16 @@ class Qwen3Target(nn.Module):
         self.capture.clear()
         x = self.model.embed_tokens(tokens.reshape(-1))
         residual, out = x, None
-        captured = 0 in aux  # residual is a recorded tensor: update it out of place
+        captured = 0 in aux  # residual is the recorded embeddings: layer 0 updates it out of place
         if captured:
             self.capture.record(0, x)
         for i, layer in enumerate(self.model.layers):
             if i == 0:
                 u = o.rms_norm(x, layer.input_layernorm.weight, c.rms_norm_eps)
-            elif i in aux or captured:
-                if i in aux:
-                    self.capture.record(i, out, residual)  # the stream entering layer i, by reference
+            elif i in aux:  # keep (out, residual) intact: the stream entering layer i, by reference
+                self.capture.record(i, out, residual)
                 residual = residual + out
                 u = o.rms_norm(residual, layer.input_layernorm.weight, c.rms_norm_eps)
-                captured = False
             else:
                 o.fused_add_rms_norm_(out, residual, layer.input_layernorm.weight, c.rms_norm_eps)
                 u = out
