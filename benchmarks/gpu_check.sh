@@ -24,16 +24,14 @@ if [ -z "$arch" ] && command -v nvidia-smi >/dev/null; then
 fi
 arch=${arch:-9.0}
 
-build() {  # the offline build: no network, no build isolation, no dependency resolution
-  local verb=$1
-  shift
-  QSPEC_CUDA=1 QSPEC_CUDA_ARCHS="$arch" MAX_JOBS=${MAX_JOBS:-$(nproc)} \
-    "$py" -m pip "$verb" --no-build-isolation --no-deps --no-index "$@" .
-}
+# The offline build: no network, no build isolation, no dependency resolution.
+build=(env QSPEC_CUDA=1 QSPEC_CUDA_ARCHS="$arch" MAX_JOBS="${MAX_JOBS:-$(nproc)}"
+       "$py" -m pip --no-input)
+pip_flags=(--no-build-isolation --no-deps --no-index)
 
 if [ "$build_only" = 1 ]; then
   echo "gpu_check: build step only (arch $arch)"
-  build wheel -w "$out" >"$out/build.log" 2>&1 || { tail -n 40 "$out/build.log"; exit 1; }
+  "${build[@]}" wheel "${pip_flags[@]}" -w "$out" . >"$out/build.log" 2>&1 || { tail -n 40 "$out/build.log"; exit 1; }
   "$py" - "$out" <<'PY'
 import sys, zipfile, glob
 wheel = glob.glob(f"{sys.argv[1]}/qspec_ext-*.whl")[0]
@@ -59,7 +57,7 @@ run_step() {  # name, timeout seconds, command...
 }
 
 nvidia-smi >"$out/nvidia-smi.txt" 2>&1 || true
-run_step build 240 build install
+run_step build 240 "${build[@]}" install "${pip_flags[@]}" .
 run_step build_info 60 "$py" -c "import json, qspec_ext; i = qspec_ext.build_info(); print(json.dumps(i)); assert i['cuda_kernels'] and i['cuda_available'], i"
 run_step tests 180 "$py" -m pytest -q -p no:cacheprovider tests
 run_step sanitizer 120 compute-sanitizer --tool memcheck --error-exitcode 1 \
