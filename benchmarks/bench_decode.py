@@ -2,10 +2,9 @@
 
     python benchmarks/bench_decode.py [--target DIR --draft DIR] [-k 3] [--batch 1 4] [--json PATH]
 
-Without --target/--draft it builds a small random Qwen3 target and a random drafter:
-almost nothing is accepted, so the numbers then show the cost of a draft-verify step
-over a plain step, not a speed-up. Pass a trained pair for real acceptance. Reports
-tokens/s, mean acceptance length and the speed-up of speculative over plain decoding;
+The pair defaults to the shipped demo pair (python/qspec_ext/demo_pair); prompts are
+held-out standard-library code, tokenized with the target's tokenizer.json. Reports
+tokens/s of plain and speculative decoding, the speed-up and the mean acceptance length;
 --check fails when the greedy outputs differ.
 """
 
@@ -17,35 +16,16 @@ import torch
 from common import device_name
 
 import qspec_ext
-from qspec_ext import Eagle3Config, Eagle3Drafter, Qwen3Target, SpeculativeDecoder, generate_plain
-from qspec_ext.models.qwen3 import Qwen3Config
+from qspec_ext import Eagle3Drafter, Qwen3Target, SpeculativeDecoder, generate_plain
+from qspec_ext.demo import DEMO_DIR, demo_prompts
 
 
-def random_pair(device: str, use_custom_ops: bool):
-    torch.manual_seed(0)
-    tc = Qwen3Config(hidden_size=256, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
-                     intermediate_size=768, vocab_size=4096, rope_theta=10000.0, max_position_embeddings=1024)
-    target = Qwen3Target(tc, aux_layer_ids=[1, 3, 5], use_custom_ops=use_custom_ops)
-    dc = Eagle3Config(hidden_size=256, num_attention_heads=8, num_key_value_heads=4, head_dim=32, intermediate_size=768,
-                      vocab_size=4096, draft_vocab_size=4096, num_aux=3, aux_layer_ids=[1, 3, 5], rope_theta=10000.0)
-    drafter = Eagle3Drafter(dc, use_custom_ops=use_custom_ops)
-    with torch.no_grad():
-        for module in (target, drafter):
-            for name, p in module.named_parameters():
-                if "norm" in name:
-                    p.fill_(1.0)
-                else:
-                    p.normal_(0, 0.05)
-    return target.to(device).eval(), drafter.to(device).eval()
-
-
-def load_pair(args, use_custom_ops: bool):
-    if args.target is None:
-        return random_pair(args.device, use_custom_ops)
-    config = json.loads(open(f"{args.draft}/config.json").read())
-    target = Qwen3Target.from_pretrained(args.target, device=args.device, use_custom_ops=use_custom_ops,
+def load_pair(target_dir: str, draft_dir: str, device: str, use_custom_ops: bool):
+    config = json.loads(open(f"{draft_dir}/config.json").read())
+    target = Qwen3Target.from_pretrained(target_dir, dtype=torch.float32, device=device, use_custom_ops=use_custom_ops,
                                          aux_layer_ids=config.get("eagle_aux_hidden_state_layer_ids"))
-    drafter = Eagle3Drafter.from_pretrained(args.draft, device=args.device, target=target, use_custom_ops=use_custom_ops)
+    drafter = Eagle3Drafter.from_pretrained(draft_dir, dtype=torch.float32, device=device, target=target,
+                                            use_custom_ops=use_custom_ops)
     return target, drafter
 
 
@@ -55,21 +35,23 @@ def main() -> int:
     parser.add_argument("--draft")
     parser.add_argument("-k", type=int, default=3)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
-    parser.add_argument("--prompt-length", type=int, default=32)
-    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--check", action="store_true", help="fail if greedy speculative output differs from plain")
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--min-time", type=float, default=0.0, help="accepted for gpu_check.sh; unused")
     parser.add_argument("--no-compile", action="store_true", help="accepted for gpu_check.sh; unused")
     args = parser.parse_args()
+    from tokenizers import Tokenizer
+
+    target_dir, draft_dir = args.target or str(DEMO_DIR / "target"), args.draft or str(DEMO_DIR / "draft")
+    tokenizer = Tokenizer.from_file(f"{target_dir}/tokenizer.json")
+    texts = demo_prompts(max(args.batch))
     rows, failures = [], 0
     for use_custom_ops in (True, False):
-        target, drafter = load_pair(args, use_custom_ops)
-        vocab = target.config.vocab_size
+        target, drafter = load_pair(target_dir, draft_dir, args.device, use_custom_ops)
         for batch in args.batch:
-            g = torch.Generator().manual_seed(batch)
-            prompts = [torch.randint(0, vocab, (args.prompt_length + 3 * b,), generator=g).tolist() for b in range(batch)]
+            prompts = [tokenizer.encode(t).ids for t in texts[:batch]]
             generate_plain(target, prompts, 4)  # warm-up
             plain = generate_plain(target, prompts, args.max_new_tokens)
             spec = SpeculativeDecoder(target, drafter, args.k).generate(prompts, args.max_new_tokens)
@@ -82,7 +64,7 @@ def main() -> int:
                              speedup=spec.stats.tokens_per_second / plain.stats.tokens_per_second,
                              mean_acceptance_length=spec.stats.mean_acceptance_length))
     print(f"\nqspec_ext decoding on {device_name(args.device)} (qspec_ext {qspec_ext.__version__}, "
-          f"{'random pair' if args.target is None else args.target}, k={args.k}, {args.max_new_tokens} new tokens)")
+          f"{target_dir}, k={args.k}, {args.max_new_tokens} new tokens)")
     print(f"{'custom ops':>10}  {'batch':>5}  {'plain tok/s':>11}  {'spec tok/s':>10}  {'speed-up':>8}  {'accept len':>10}")
     for r in rows:
         print(f"{str(r['custom_ops']):>10}  {r['batch']:>5}  {r['plain_tokens_per_s']:>11.1f}  {r['spec_tokens_per_s']:>10.1f}"
