@@ -10,6 +10,7 @@
 #include <c10/util/string_view.h>
 
 #include "checks.h"
+#include "qspec_ext/aux_gather.h"
 
 namespace qspec_ext {
 
@@ -37,6 +38,36 @@ void gather_aux_hidden_out_entry(at::TensorList aux, const at::Tensor& indices, 
   const AuxGatherShape s = check_gather_aux_hidden(op, aux, indices, residual, norm_mode, norm_weight);
   check_gather_out(out, s, aux[0]);
   impl(op, aux, indices, residual, norm_weight, eps, s, out);
+}
+
+// Raw pointers for the kernels. weight: the norm weight as the kernel will read it.
+template <typename T>
+AuxGatherParams<T> aux_gather_params(at::TensorList aux, const at::Tensor& indices,
+                                     const std::optional<at::TensorList>& residual,
+                                     const std::optional<at::Tensor>& weight, double eps, const AuxGatherShape& s,
+                                     at::Tensor& out) {
+  AuxGatherParams<T> p{};
+  for (int i = 0; i < s.num_aux; ++i) {
+    p.aux[i] = aux[i].const_data_ptr<T>();
+    p.aux_stride[i] = aux[i].stride(0);
+    if (s.has_residual) {
+      p.residual[i] = (*residual)[i].const_data_ptr<T>();
+      p.residual_stride[i] = (*residual)[i].stride(0);
+    }
+  }
+  p.indices = indices.const_data_ptr();
+  p.indices_i64 = indices.scalar_type() == at::kLong;
+  p.weight = weight.has_value() ? weight->const_data_ptr() : nullptr;
+  p.weight_f32 = weight.has_value() && weight->scalar_type() == at::kFloat;
+  p.out = out.data_ptr<T>();
+  p.out_stride = out.stride(0);
+  p.num_rows = s.num_rows;
+  p.num_source = s.num_source;
+  p.num_aux = s.num_aux;
+  p.hidden = static_cast<int>(s.hidden);
+  p.eps = static_cast<float>(eps);
+  p.mode = s.mode;
+  return p;
 }
 
 }  // namespace qspec_ext

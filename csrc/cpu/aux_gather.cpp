@@ -17,7 +17,8 @@ namespace {
 using namespace cpu;
 
 template <typename T>
-QSPEC_INLINE void gather_rows_impl(const AuxGatherParams<T>& p, const float* weight, int64_t begin, int64_t end) {
+QSPEC_INLINE void gather_rows_impl(const AuxGatherParams<T>& p, int64_t begin, int64_t end) {
+  const float* weight = static_cast<const float*>(p.weight);  // fp32 here: the caller converts it
   const int64_t H = p.hidden, width = p.num_aux * H;
   std::vector<float> row(width), res(H);
   for (int64_t j = begin; j < end; ++j) {
@@ -54,49 +55,31 @@ QSPEC_INLINE void gather_rows_impl(const AuxGatherParams<T>& p, const float* wei
   }
 }
 
-QSPEC_CPU_CLONES void gather_rows(const AuxGatherParams<float>& p, const float* w, int64_t b, int64_t e) {
-  gather_rows_impl(p, w, b, e);
+QSPEC_CPU_CLONES void gather_rows(const AuxGatherParams<float>& p, int64_t b, int64_t e) {
+  gather_rows_impl(p, b, e);
 }
-QSPEC_CPU_CLONES void gather_rows(const AuxGatherParams<c10::Half>& p, const float* w, int64_t b, int64_t e) {
-  gather_rows_impl(p, w, b, e);
+QSPEC_CPU_CLONES void gather_rows(const AuxGatherParams<c10::Half>& p, int64_t b, int64_t e) {
+  gather_rows_impl(p, b, e);
 }
-QSPEC_CPU_CLONES void gather_rows(const AuxGatherParams<c10::BFloat16>& p, const float* w, int64_t b, int64_t e) {
-  gather_rows_impl(p, w, b, e);
+QSPEC_CPU_CLONES void gather_rows(const AuxGatherParams<c10::BFloat16>& p, int64_t b, int64_t e) {
+  gather_rows_impl(p, b, e);
 }
 
 }  // namespace
 
 void gather_aux_hidden_cpu(std::string_view op, at::TensorList aux, const at::Tensor& indices,
-                 const std::optional<at::TensorList>& residual, const std::optional<at::Tensor>& norm_weight,
-                 double eps, const AuxGatherShape& s, at::Tensor& out) {
+                           const std::optional<at::TensorList>& residual, const std::optional<at::Tensor>& norm_weight,
+                           double eps, const AuxGatherShape& s, at::Tensor& out) {
   QSPEC_CHECK(aux[0].device().is_cpu(), op, "aux[0]", "must be a CPU tensor for the CPU kernel, got ",
               aux[0].device());
   check_index_range(op, "indices", indices, -1, s.num_source, "source rows, -1 = padding");
   if (s.num_rows == 0 || s.hidden == 0) return;
-  const at::Tensor weight = norm_weight.has_value() ? weight_as_float(*norm_weight) : at::Tensor();
+  std::optional<at::Tensor> weight;
+  if (norm_weight.has_value()) weight = weight_as_float(*norm_weight);
   QSPEC_DISPATCH_ACTIVATION(aux[0].scalar_type(), "gather_aux_hidden_cpu", [&] {
-    AuxGatherParams<scalar_t> p{};
-    for (int i = 0; i < s.num_aux; ++i) {
-      p.aux[i] = aux[i].const_data_ptr<scalar_t>();
-      p.aux_stride[i] = aux[i].stride(0);
-      if (s.has_residual) {
-        p.residual[i] = (*residual)[i].const_data_ptr<scalar_t>();
-        p.residual_stride[i] = (*residual)[i].stride(0);
-      }
-    }
-    p.indices = indices.const_data_ptr();
-    p.indices_i64 = indices.scalar_type() == at::kLong;
-    p.out = out.data_ptr<scalar_t>();
-    p.out_stride = out.stride(0);
-    p.num_rows = s.num_rows;
-    p.num_source = s.num_source;
-    p.num_aux = s.num_aux;
-    p.hidden = static_cast<int>(s.hidden);
-    p.eps = static_cast<float>(eps);
-    p.mode = s.mode;
-    const float* w = weight.defined() ? weight.const_data_ptr<float>() : nullptr;
+    const AuxGatherParams<scalar_t> p = aux_gather_params<scalar_t>(aux, indices, residual, weight, eps, s, out);
     at::parallel_for(0, s.num_rows, grain_for(s.num_aux * s.hidden),
-                     [&](int64_t b, int64_t e) { gather_rows(p, w, b, e); });
+                     [&](int64_t b, int64_t e) { gather_rows(p, b, e); });
   });
 }
 

@@ -94,37 +94,20 @@ __global__ void gather_aux_hidden_kernel(const AuxGatherParams<T> p) {
 }  // namespace
 
 void gather_aux_hidden_cuda(std::string_view op, at::TensorList aux, const at::Tensor& indices,
-                 const std::optional<at::TensorList>& residual, const std::optional<at::Tensor>& norm_weight,
-                 double eps, const AuxGatherShape& s, at::Tensor& out) {
+                            const std::optional<at::TensorList>& residual,
+                            const std::optional<at::Tensor>& norm_weight, double eps, const AuxGatherShape& s,
+                            at::Tensor& out) {
   QSPEC_CHECK(aux[0].is_cuda(), op, "aux[0]", "must be a CUDA tensor for the CUDA kernel, got ", aux[0].device());
   if (s.num_rows == 0 || s.hidden == 0) return;
   const c10::cuda::CUDAGuard guard(aux[0].device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   QSPEC_DISPATCH_ACTIVATION(aux[0].scalar_type(), "gather_aux_hidden_cuda", [&] {
-    AuxGatherParams<scalar_t> p{};
+    const AuxGatherParams<scalar_t> p = aux_gather_params<scalar_t>(aux, indices, residual, norm_weight, eps, s, out);
     std::vector<cuda::RowPtr> rows{{out.data_ptr(), out.stride(0)}};
     for (int i = 0; i < s.num_aux; ++i) {
-      p.aux[i] = aux[i].const_data_ptr<scalar_t>();
-      p.aux_stride[i] = aux[i].stride(0);
       rows.emplace_back(p.aux[i], p.aux_stride[i]);
-      if (s.has_residual) {
-        p.residual[i] = (*residual)[i].const_data_ptr<scalar_t>();
-        p.residual_stride[i] = (*residual)[i].stride(0);
-        rows.emplace_back(p.residual[i], p.residual_stride[i]);
-      }
+      if (s.has_residual) rows.emplace_back(p.residual[i], p.residual_stride[i]);
     }
-    p.indices = indices.const_data_ptr();
-    p.indices_i64 = indices.scalar_type() == at::kLong;
-    p.weight = norm_weight.has_value() ? norm_weight->const_data_ptr() : nullptr;
-    p.weight_f32 = norm_weight.has_value() && norm_weight->scalar_type() == at::kFloat;
-    p.out = out.data_ptr<scalar_t>();
-    p.out_stride = out.stride(0);
-    p.num_rows = s.num_rows;
-    p.num_source = s.num_source;
-    p.num_aux = s.num_aux;
-    p.hidden = static_cast<int>(s.hidden);
-    p.eps = static_cast<float>(eps);
-    p.mode = s.mode;
     cuda::with_vec<scalar_t>(cuda::pick_vec<scalar_t>(s.hidden, rows), [&](auto V) {
       constexpr int vec = decltype(V)::value;
       gather_aux_hidden_kernel<scalar_t, vec>

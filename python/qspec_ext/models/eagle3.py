@@ -25,7 +25,7 @@ from torch import nn
 from .. import ops, reference
 from ..rope import rope_cos_sin_cache
 from .checkpoint import CheckpointError, check_tensors, load_tensors, read_config, save_tensors
-from .layers import MLP, Attention, RMSNormWeight, cache_slots, cached_attention
+from .layers import MLP, Attention, RMSNormWeight
 
 logger = logging.getLogger(__name__)
 
@@ -290,15 +290,12 @@ class Eagle3Drafter(nn.Module):
         B, T = tokens.shape
         if B != self.batch_size or not self.caches:
             raise RuntimeError(f"Eagle3Drafter: call setup_caches({B}, max_length) first (set up for {getattr(self, 'batch_size', None)})")
-        flat_pos = positions.reshape(-1)
         if from_features:
             features = hidden.reshape(B * T, -1)
             x = self.fc(features if normalized else self.fc_input(features))
         else:
             x = hidden.reshape(B * T, -1)
         embeds = self.embed_tokens(tokens.reshape(-1))
-        slots = cache_slots(positions, self.max_length)
-        rope_pos = flat_pos.clamp(min=0)
         residual = out = None
         for i, layer in enumerate(self.layers):
             if i == 0:
@@ -308,15 +305,8 @@ class Eagle3Drafter(nn.Module):
             else:
                 o.fused_add_rms_norm_(out, residual, layer.input_layernorm.weight, c.rms_norm_eps)
                 u = out
-            attn = layer.self_attn
-            qkv = attn.qkv(u)
-            k_cache, v_cache = self.caches[i]
-            o.qk_norm_rope_(
-                qkv, *attn.qk_norm_weights(), self.cos_sin, rope_pos, c.num_attention_heads, c.num_key_value_heads,
-                c.head_dim, c.rms_norm_eps, True, k_cache, v_cache, slots)
-            q = qkv[:, : c.num_attention_heads * c.head_dim].view(B, T, c.num_attention_heads, c.head_dim)
-            context = cached_attention(q.transpose(1, 2), k_cache, v_cache, positions, self.max_length, c.window(i))
-            out = attn.o_proj(context.transpose(1, 2).reshape(B * T, -1))
+            out = layer.self_attn.forward_cached(o, u, self.caches[i], self.cos_sin, positions, c.rms_norm_eps,
+                                                 c.window(i))
             o.fused_add_rms_norm_(out, residual, layer.post_attention_layernorm.weight, c.rms_norm_eps)
             out = layer.mlp(out)
         o.fused_add_rms_norm_(out, residual, self.norm.weight, c.rms_norm_eps)  # out = z, residual = h

@@ -17,6 +17,7 @@ class RMSNormWeight(nn.Module):
 class Attention(nn.Module):
     def __init__(self, hidden: int, input_width: int, heads: int, kv_heads: int, head_dim: int, qk_norm: bool):
         super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.q_proj = nn.Linear(input_width, heads * head_dim, bias=False)
         self.k_proj = nn.Linear(input_width, kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(input_width, kv_heads * head_dim, bias=False)
@@ -31,6 +32,19 @@ class Attention(nn.Module):
 
     def qk_norm_weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return (self.q_norm.weight, self.k_norm.weight) if hasattr(self, "q_norm") else (None, None)
+
+    def forward_cached(self, ops, u: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], cos_sin: torch.Tensor,
+                       positions: torch.Tensor, eps: float, window: int | None = None) -> torch.Tensor:
+        """o_proj(attention) of u ``[B*T, in]`` at positions ``[B, T]`` (-1 pads): packed QKV,
+        qk_norm_rope_ with the K/V written into the cache, attention over the cache."""
+        batch, tokens = positions.shape
+        max_length = cache[0].shape[0] // batch
+        qkv = self.qkv(u)
+        ops.qk_norm_rope_(qkv, *self.qk_norm_weights(), cos_sin, positions.reshape(-1).clamp(min=0), self.heads,
+                          self.kv_heads, self.head_dim, eps, True, *cache, cache_slots(positions, max_length))
+        q = qkv[:, : self.heads * self.head_dim].view(batch, tokens, self.heads, self.head_dim)
+        context = cached_attention(q.transpose(1, 2), *cache, positions, max_length, window)
+        return self.o_proj(context.transpose(1, 2).reshape(batch * tokens, -1))
 
 
 class MLP(nn.Module):

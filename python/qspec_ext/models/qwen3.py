@@ -11,7 +11,7 @@ from .. import ops, reference
 from ..aux import AuxHiddenCapture, default_aux_layer_ids
 from ..rope import rope_cos_sin_cache
 from .checkpoint import CheckpointError, check_tensors, load_tensors, read_config
-from .layers import MLP, Attention, RMSNormWeight, cache_slots, cached_attention
+from .layers import MLP, Attention, RMSNormWeight
 
 
 @dataclass
@@ -138,8 +138,6 @@ class Qwen3Target(nn.Module):
         B, T = tokens.shape
         if not self.caches or B != self.batch_size:
             raise RuntimeError(f"Qwen3Target: call setup({B}, max_length) first")
-        slots = cache_slots(positions, self.max_length)
-        rope_pos = positions.reshape(-1).clamp(min=0)
         aux = set(self.aux_layer_ids)
         self.capture.clear()
         x = self.model.embed_tokens(tokens.reshape(-1))
@@ -157,14 +155,7 @@ class Qwen3Target(nn.Module):
             else:
                 o.fused_add_rms_norm_(out, residual, layer.input_layernorm.weight, c.rms_norm_eps)
                 u = out
-            attn = layer.self_attn
-            qkv = attn.qkv(u)
-            k_cache, v_cache = self.caches[i]
-            o.qk_norm_rope_(qkv, *attn.qk_norm_weights(), self.cos_sin, rope_pos, c.num_attention_heads,
-                            c.num_key_value_heads, c.head_dim, c.rms_norm_eps, True, k_cache, v_cache, slots)
-            q = qkv[:, : c.num_attention_heads * c.head_dim].view(B, T, c.num_attention_heads, c.head_dim)
-            context = cached_attention(q.transpose(1, 2), k_cache, v_cache, positions, self.max_length)
-            attn_out = attn.o_proj(context.transpose(1, 2).reshape(B * T, -1))
+            attn_out = layer.self_attn.forward_cached(o, u, self.caches[i], self.cos_sin, positions, c.rms_norm_eps)
             if captured:
                 residual = residual + attn_out
                 attn_out = o.rms_norm(residual, layer.post_attention_layernorm.weight, c.rms_norm_eps)
