@@ -13,7 +13,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from common import Row, add_common_args, compiled, report, time_fn
+from common import CHECK_TOLERANCE, Row, add_common_args, compiled, finish, time_fn
 
 import qspec_ext
 from qspec_ext import reference as ref
@@ -40,7 +40,6 @@ def main() -> int:
     parser.add_argument("--dtypes", nargs="+", default=["bf16"], choices=list(DTYPES))
     add_common_args(parser)
     args = parser.parse_args()
-    tolerance = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
     rows, failures = [], 0
     for mode in args.modes:
         for dtype_name in args.dtypes:
@@ -60,7 +59,7 @@ def main() -> int:
                 if args.check:
                     qspec_ext.gather_aux_hidden_out(aux, indices, out, None, mode, weight)
                     expected = ref.gather_aux_hidden(aux, indices, None, mode, weight)
-                    if not torch.allclose(out.float(), expected.float(), atol=tolerance[dtype], rtol=tolerance[dtype]):
+                    if not torch.allclose(out.float(), expected.float(), atol=CHECK_TOLERANCE[dtype], rtol=CHECK_TOLERANCE[dtype]):
                         failures += 1
                         print(f"CHECK FAILED: {mode} {dtype_name} N={n_rows}")
                 moved = 2 * n_rows * NUM_AUX * HIDDEN * elt  # read each selected row once, write the fc input
@@ -79,10 +78,7 @@ def main() -> int:
                               time_fn(call, args.device, args.min_time), dict(baselines))
                     rows.append(row)
                 print(f"  {mode} {dtype_name} N={n_rows}: {row.ours.median_us:.1f} us", file=sys.stderr, flush=True)
-    report("qspec_ext aux hidden-state gather (Qwen3-8B: H 4096, 3 aux layers)", rows, args.device, args.json)
-    if args.check:
-        print("check: all outputs match the reference" if failures == 0 else f"check: {failures} mismatches")
-    return 1 if failures else 0
+    return finish("qspec_ext aux hidden-state gather (Qwen3-8B: H 4096, 3 aux layers)", rows, args, failures)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from common import Row, add_common_args, compiled, report, time_fn
+from common import CHECK_TOLERANCE, Row, add_common_args, compiled, finish, time_fn
 
 import qspec_ext
 from qspec_ext import reference as ref
@@ -115,7 +115,6 @@ def main() -> int:
     parser.add_argument("--ops", nargs="+", default=OPS, choices=OPS)
     add_common_args(parser)
     args = parser.parse_args()
-    tolerance = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
     rows, failures = [], 0
     for op in args.ops:
         for dtype_name in args.dtypes:
@@ -124,7 +123,7 @@ def main() -> int:
                 case = make_case(op, tokens, dtype, args.device)
                 if args.check:
                     for a, b in case.check():
-                        if not torch.allclose(a.float(), b.float(), atol=tolerance[dtype], rtol=tolerance[dtype]):
+                        if not torch.allclose(a.float(), b.float(), atol=CHECK_TOLERANCE[dtype], rtol=CHECK_TOLERANCE[dtype]):
                             failures += 1
                             print(f"CHECK FAILED: {op} {dtype_name} T={tokens}: max diff {(a.float() - b.float()).abs().max():.3g}")
                 row = Row(op, dtype_name, f"T={tokens}", case.bytes, time_fn(case.ours, args.device, args.min_time))
@@ -134,10 +133,7 @@ def main() -> int:
                     row.baselines["compile"] = time_fn(case.bind(to_compile), args.device, args.min_time)
                 rows.append(row)
                 print(f"  {op} {dtype_name} T={tokens}: {row.ours.median_us:.1f} us", file=sys.stderr, flush=True)
-    report("qspec_ext norm / RoPE prologue (Qwen3-8B: H 4096, 32/8 heads, D 128)", rows, args.device, args.json)
-    if args.check:
-        print("check: all outputs match the reference" if failures == 0 else f"check: {failures} mismatches")
-    return 1 if failures else 0
+    return finish("qspec_ext norm / RoPE prologue (Qwen3-8B: H 4096, 32/8 heads, D 128)", rows, args, failures)
 
 
 if __name__ == "__main__":

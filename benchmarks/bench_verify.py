@@ -12,7 +12,7 @@ import argparse
 import sys
 
 import torch
-from common import Row, add_common_args, compiled, report, time_fn
+from common import Row, add_common_args, compiled, finish, time_fn
 
 import qspec_ext
 from qspec_ext import reference as ref
@@ -104,11 +104,8 @@ def main() -> int:
                                                        min_samples=min_samples)
                 rows.append(row)
                 print(f"  {mode} B={batch} K={k}: {row.ours.median_us:.1f} us", file=sys.stderr, flush=True)
-    report(f"qspec_ext draft verification (V {VOCAB}, draft vocab {DRAFT_VOCAB}, temperature 0.8)", rows, dev,
-           args.json)
-    if args.check:
-        print("check: all outputs match the reference" if failures == 0 else f"check: {failures} mismatches")
-    return 1 if failures else 0
+    title = f"qspec_ext draft verification (V {VOCAB}, draft vocab {DRAFT_VOCAB}, temperature 0.8)"
+    return finish(title, rows, args, failures)
 
 
 if __name__ == "__main__":

@@ -122,5 +122,17 @@ def report(title: str, rows: list[Row], device: str, json_path: str | None) -> N
         print(f"wrote {json_path}")
 
 
+# --check: kernel vs reference, about one unit in the last place of the dtype.
+CHECK_TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def finish(title: str, rows: list[Row], args, failures: int) -> int:
+    """Prints (and writes) the report and the --check verdict; the exit code."""
+    report(title, rows, args.device, args.json)
+    if args.check:
+        print("check: all outputs match the reference" if failures == 0 else f"check: {failures} mismatches")
+    return 1 if failures else 0
+
+
 def compiled(fn: Callable) -> Callable:
     return torch.compile(fn, dynamic=False)

@@ -199,7 +199,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock* kWarpSize) qk_norm_rope_kernel
   const int half = a.rot_dim / 2;
   const int64_t cs_row = pos * a.rot_dim;
   for (int i = lane; i < half; i += kWarpSize) {
-    const int i0 = rope_first(i, a.rot_dim, a.is_neox), i1 = rope_second(i, a.rot_dim, a.is_neox);
+    const int i0 = rope_first(i, a.is_neox), i1 = rope_second(i, a.rot_dim, a.is_neox);
     const float c = load_mixed<T>(a.cos_sin, a.cos_sin_f32, cs_row + i);
     const float sn = load_mixed<T>(a.cos_sin, a.cos_sin_f32, cs_row + half + i);
     const T o0 = static_cast<T>(rope_rotate_first(s[i0], s[i1], c, sn));

@@ -167,9 +167,9 @@ def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: 
     counts = Counter(stream)
     vocab_size = tc.vocab_size
     draft_vocab = min(config.draft_vocab, vocab_size)
-    frequent = sorted(t for t, _ in counts.most_common(draft_vocab))
-    frequent += [t for t in range(vocab_size) if t not in set(frequent)][: draft_vocab - len(frequent)]
-    frequent = sorted(frequent)
+    frequent = {t for t, _ in counts.most_common(draft_vocab)}
+    unseen = (t for t in range(vocab_size) if t not in frequent)  # pad a small corpus up to draft_vocab
+    frequent = sorted(frequent | {next(unseen) for _ in range(draft_vocab - len(frequent))})
     rope = getattr(tc, "rope_parameters", None) or {}
     theta = rope.get("rope_theta", getattr(tc, "rope_theta", 1_000_000.0))
     dconfig = Eagle3Config(

@@ -28,7 +28,7 @@ QSPEC_HOST_DEVICE float rms_inv(float sum_squares, int n, float eps) {
 
 // The two element indices rotated together by pair i of a rotary block of `rot` dims:
 // neox (rotate-half) pairs i with i + rot/2, GPT-J pairs 2i with 2i + 1.
-QSPEC_HOST_DEVICE int rope_first(int i, int rot, bool is_neox) { return is_neox ? i : 2 * i; }
+QSPEC_HOST_DEVICE int rope_first(int i, bool is_neox) { return is_neox ? i : 2 * i; }
 QSPEC_HOST_DEVICE int rope_second(int i, int rot, bool is_neox) { return is_neox ? i + rot / 2 : 2 * i + 1; }
 
 // Rotation of one pair by the angle whose cosine and sine are given.
