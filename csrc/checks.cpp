@@ -1,5 +1,7 @@
 #include "checks.h"
 
+#include <ATen/MemoryOverlap.h>
+
 #include "qspec_ext/norm_rope.h"
 #include "qspec_ext/verify.h"
 
@@ -23,6 +25,7 @@ void check_norm_weight(std::string_view op, std::string_view name, const at::Ten
   QSPEC_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == activation.scalar_type(), op, name,
               "must be float32 or the activation dtype ", activation.scalar_type(), ", got ",
               weight.scalar_type());
+  QSPEC_CHECK(weight.is_contiguous(), op, name, "must be contiguous, got strides ", weight.strides());
 }
 
 void check_index(std::string_view op, std::string_view name, const at::Tensor& t, int64_t length,
@@ -31,6 +34,30 @@ void check_index(std::string_view op, std::string_view name, const at::Tensor& t
   QSPEC_CHECK(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, op, name,
               "must be int32 or int64, got ", t.scalar_type());
   QSPEC_CHECK(t.dim() == 1 && t.size(0) == length, op, name, "must have shape [", length, "], got ", t.sizes());
+  QSPEC_CHECK(t.is_contiguous(), op, name, "must be contiguous (the kernels read it with stride 1), got strides ",
+              t.strides());
+}
+
+void check_width(std::string_view op, std::string_view name, int64_t width) {
+  QSPEC_CHECK(width <= kMaxWidth, op, name, "must have rows of at most ", kMaxWidth, " elements, got ", width);
+}
+
+void check_written_rows(std::string_view op, std::string_view name, const at::Tensor& rows) {
+  QSPEC_CHECK(rows.size(0) <= 1 || rows.stride(0) >= rows.size(1), op, name,
+              "is written in place and must not have overlapping rows, got shape ", rows.sizes(), " and strides ",
+              rows.strides());
+}
+
+void check_no_overlap(std::string_view op, std::string_view name, const at::Tensor& a, std::string_view other,
+                      const at::Tensor& b) {
+  const auto status = at::get_overlap_status(a, b);
+  QSPEC_CHECK(status != at::MemOverlapStatus::Full && status != at::MemOverlapStatus::Partial, op, name,
+              "must not share memory with '", other, "'");
+}
+
+void check_launch_size(std::string_view op, std::string_view name, int64_t count, std::string_view what) {
+  QSPEC_CHECK(count <= kMaxLaunchBlocks, op, name, "is too large: ", what, " = ", count, " exceeds ",
+              kMaxLaunchBlocks, ", the most blocks one CUDA grid dimension holds (split the call)");
 }
 
 at::Tensor as_rows(std::string_view op, std::string_view name, const at::Tensor& t) {
@@ -39,6 +66,11 @@ at::Tensor as_rows(std::string_view op, std::string_view name, const at::Tensor&
   QSPEC_CHECK(t.stride(-1) == 1 || width == 1, op, name, "must have a contiguous last dimension, got strides ",
               t.strides());
   if (t.dim() == 1) return t.view({1, width});
+  if (t.numel() == 0) {  // nothing to read: any strides will do
+    int64_t rows = 1;
+    for (int64_t d = 0; d + 1 < t.dim(); ++d) rows *= t.size(d);
+    return t.as_strided({rows, width}, {width, 1});
+  }
   // Leading dims must collapse into one row dimension with a single stride.
   int64_t expected = t.stride(-2);
   for (int64_t d = t.dim() - 2; d > 0; --d) {
@@ -47,7 +79,36 @@ at::Tensor as_rows(std::string_view op, std::string_view name, const at::Tensor&
                 "must have rows with one common stride (leading dims that flatten without a copy), got shape ",
                 t.sizes(), " and strides ", t.strides());
   }
-  return t.as_strided({t.numel() / std::max<int64_t>(width, 1), width}, {t.dim() > 1 ? t.stride(-2) : width, 1});
+  check_width(op, name, width);
+  const int64_t rows = t.numel() / std::max<int64_t>(width, 1);
+  check_launch_size(op, name, rows, "its number of rows");
+  return t.as_strided({rows, width}, {t.dim() > 1 ? t.stride(-2) : width, 1});
+}
+
+at::Tensor check_rms_norm(const at::Tensor& input, const at::Tensor& weight) {
+  constexpr std::string_view op = "rms_norm";
+  check_activation(op, "input", input);
+  const at::Tensor rows = as_rows(op, "input", input);
+  check_norm_weight(op, "weight", weight, rows.size(1), input);
+  return rows;
+}
+
+std::pair<at::Tensor, at::Tensor> check_fused_add_rms_norm(const at::Tensor& input, const at::Tensor& residual,
+                                                           const at::Tensor& weight) {
+  constexpr std::string_view op = "fused_add_rms_norm_";
+  check_activation(op, "input", input);
+  check_same_device(op, "residual", residual, input);
+  QSPEC_CHECK(residual.scalar_type() == input.scalar_type(), op, "residual", "must have the dtype of input (",
+              input.scalar_type(), "), got ", residual.scalar_type());
+  QSPEC_CHECK(residual.sizes() == input.sizes(), op, "residual", "must have the shape of input ", input.sizes(),
+              ", got ", residual.sizes());
+  at::Tensor in_rows = as_rows(op, "input", input);
+  at::Tensor res_rows = as_rows(op, "residual", residual);
+  check_written_rows(op, "input", in_rows);
+  check_written_rows(op, "residual", res_rows);
+  check_no_overlap(op, "residual", residual, "input", input);
+  check_norm_weight(op, "weight", weight, in_rows.size(1), input);
+  return {in_rows, res_rows};
 }
 
 static void check_cache(std::string_view name, const at::Tensor& cache, const at::Tensor& qkv, int64_t heads,
@@ -77,13 +138,19 @@ QKNormRopeShape check_qk_norm_rope(const at::Tensor& qkv, const std::optional<at
               "must be a multiple of num_heads_kv (", num_heads_kv, "), got ", num_heads_q);
   QSPEC_CHECK(head_dim > 0 && head_dim % 2 == 0 && head_dim <= kMaxHeadDim, op, "head_dim",
               "must be even and in [2, ", kMaxHeadDim, "], got ", head_dim);
+  QSPEC_CHECK(num_heads_q + 2 * num_heads_kv <= kMaxWidth / kMaxHeadDim, op, "num_heads_q/num_heads_kv",
+              "must have num_heads_q + 2 * num_heads_kv at most ", kMaxWidth / kMaxHeadDim, ", got ",
+              num_heads_q + 2 * num_heads_kv);
   const int64_t width = (num_heads_q + 2 * num_heads_kv) * head_dim;
   QSPEC_CHECK(qkv.dim() == 2 && qkv.size(1) == width, op, "qkv",
               "must have shape [num_tokens, (num_heads_q + 2 * num_heads_kv) * head_dim] = [num_tokens, ", width,
               "], got ", qkv.sizes());
   QSPEC_CHECK(qkv.stride(1) == 1, op, "qkv", "must have a contiguous last dimension, got strides ",
               qkv.strides());
+  check_written_rows(op, "qkv", qkv);
   s.num_tokens = qkv.size(0);
+  check_launch_size(op, "qkv", (s.num_tokens * (num_heads_q + 2 * num_heads_kv) + 3) / 4,
+                    "num_tokens * (num_heads_q + 2 * num_heads_kv) / 4 (one warp per token and head)");
   s.num_heads_q = num_heads_q;
   s.num_heads_kv = num_heads_kv;
   s.head_dim = head_dim;
@@ -121,6 +188,9 @@ QKNormRopeShape check_qk_norm_rope(const at::Tensor& qkv, const std::optional<at
     QSPEC_CHECK(v_cache->size(0) == k_cache->size(0), op, "v_cache", "must have as many slots as k_cache (",
                 k_cache->size(0), "), got ", v_cache->size(0));
     check_index(op, "slot_mapping", *slot_mapping, s.num_tokens, qkv);
+    check_no_overlap(op, "k_cache", *k_cache, "v_cache", *v_cache);
+    check_no_overlap(op, "k_cache", *k_cache, "qkv", qkv);
+    check_no_overlap(op, "v_cache", *v_cache, "qkv", qkv);
     s.num_slots = k_cache->size(0);
   }
   return s;
@@ -171,6 +241,8 @@ AuxGatherShape check_gather_aux_hidden(std::string_view op, at::TensorList aux, 
   QSPEC_CHECK(indices.dim() == 1, op, "indices", "must have shape [num_rows], got ", indices.sizes());
   QSPEC_CHECK(indices.is_contiguous(), op, "indices", "must be contiguous, got strides ", indices.strides());
   s.num_rows = indices.size(0);
+  check_launch_size(op, "indices", s.num_rows, "its length (one block per output row)");
+  check_width(op, "aux", s.num_aux * s.hidden);
 
   s.mode = parse_aux_norm_mode(op, norm_mode);
   if (s.mode == AuxNormMode::kNone) {
@@ -204,6 +276,7 @@ void check_gather_out(const at::Tensor& out, const AuxGatherShape& shape, const 
               "out", "must have shape [num_rows, n * hidden_size] = [", shape.num_rows, ", ",
               shape.num_aux * shape.hidden, "], got ", out.sizes());
   QSPEC_CHECK(out.stride(1) == 1, op, "out", "must have a contiguous last dimension, got strides ", out.strides());
+  check_written_rows(op, "out", out);
 }
 
 static void check_vector(std::string_view op, std::string_view name, const at::Tensor& t, int64_t length,
@@ -230,6 +303,7 @@ VerifyShape check_verify(std::string_view op, const at::Tensor& draft_ids, const
   QSPEC_CHECK(k >= 1 && k <= kMaxDraftTokens, op, "draft_ids", "must hold 1 to ", kMaxDraftTokens,
               " draft tokens per request, got ", k);
   s.num_draft_max = static_cast<int>(k);
+  check_launch_size(op, "draft_ids", s.batch * (k + 1), "batch * (num_draft_tokens + 1) (one block per target row)");
   check_activation(op, "target_logits", target_logits);
   check_same_device(op, "draft_ids", draft_ids, target_logits);
   QSPEC_CHECK(target_logits.dim() == 3 && target_logits.size(0) == s.batch && target_logits.size(1) == k + 1, op,
@@ -254,6 +328,7 @@ VerifyShape check_verify(std::string_view op, const at::Tensor& draft_ids, const
   if (s.has_d2t) {
     QSPEC_CHECK(d2t->dim() == 1, op, "d2t", "must have shape [draft_vocab], got ", d2t->sizes());
     s.draft_vocab = d2t->size(0);
+    QSPEC_CHECK(s.draft_vocab >= 1, op, "d2t", "must map at least one draft id, got an empty tensor");
     check_vector(op, "d2t", *d2t, s.draft_vocab, target_logits, {at::kInt, at::kLong});
   }
   if (s.has_probs) {
@@ -294,6 +369,8 @@ void check_eagle3_input_norm(const at::Tensor& embeds, const at::Tensor& hidden,
               ", got ", hidden.sizes());
   QSPEC_CHECK(embeds.stride(1) == 1 && hidden.stride(1) == 1, op, "embeds/hidden",
               "must have a contiguous last dimension, got strides ", embeds.strides(), " and ", hidden.strides());
+  check_width(op, "embeds", embeds.size(1));
+  check_launch_size(op, "embeds", embeds.size(0), "its number of rows");
   check_norm_weight(op, "embed_weight", embed_weight, embeds.size(1), embeds);
   check_norm_weight(op, "hidden_weight", hidden_weight, embeds.size(1), embeds);
 }

@@ -4,6 +4,7 @@
 
 #include <optional>
 #include <string_view>
+#include <utility>
 
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
@@ -28,11 +29,30 @@ void check_same_device(std::string_view op, std::string_view name, const at::Ten
 // 1-D [width] norm weight in fp32 or the activation dtype, on the activation's device.
 void check_norm_weight(std::string_view op, std::string_view name, const at::Tensor& weight, int64_t width,
                        const at::Tensor& activation);
-// Index tensor: int32 or int64, 1-D [length], on ref's device.
+// Index tensor: int32 or int64, 1-D [length], contiguous, on ref's device.
 void check_index(std::string_view op, std::string_view name, const at::Tensor& t, int64_t length,
                  const at::Tensor& ref);
-// A [rows, width] view of t (any rank >= 1) whose rows may be strided; never copies.
+// The most blocks a kernel launch puts in its (1-D) grid: CUDA's gridDim.x limit. Every op
+// checks its launch size against it on every device, so the limit shows on CPU too.
+constexpr int64_t kMaxLaunchBlocks = (int64_t{1} << 31) - 1;
+void check_launch_size(std::string_view op, std::string_view name, int64_t count, std::string_view what);
+// The widest row a kernel takes: its 32-bit element loops keep headroom below 2^31.
+constexpr int64_t kMaxWidth = int64_t{1} << 30;
+void check_width(std::string_view op, std::string_view name, int64_t width);
+// A tensor written in place, viewed as [rows, width]: rows must not overlap (row stride >= width).
+void check_written_rows(std::string_view op, std::string_view name, const at::Tensor& rows);
+void check_no_overlap(std::string_view op, std::string_view name, const at::Tensor& a, std::string_view other,
+                      const at::Tensor& b);
+
+// A [rows, width] view of t (any rank >= 1) whose rows may be strided; never copies. Rows
+// and width are within kMaxLaunchBlocks.
 at::Tensor as_rows(std::string_view op, std::string_view name, const at::Tensor& t);
+
+// rms_norm: input as [rows, H] (strided rows allowed), weight [H].
+at::Tensor check_rms_norm(const at::Tensor& input, const at::Tensor& weight);
+// fused_add_rms_norm_: input and residual as non-overlapping [rows, H] views.
+std::pair<at::Tensor, at::Tensor> check_fused_add_rms_norm(const at::Tensor& input, const at::Tensor& residual,
+                                                           const at::Tensor& weight);
 
 // Shapes of one qk_norm_rope_ call, validated.
 struct QKNormRopeShape {

@@ -71,13 +71,13 @@ void verify_sampling_out_entry(const at::Tensor& draft_ids, const std::optional<
        out_ids, num_accepted);
 }
 
-// Raw pointers for the kernels; rows (and q_dense with d2t) are workspaces the caller owns.
+// Raw pointers for the kernels; rows is a workspace the caller owns.
 template <typename T>
 VerifyParams<T> verify_params(const at::Tensor& draft_ids, const std::optional<at::Tensor>& draft_probs,
                               const at::Tensor& target_logits, const std::optional<at::Tensor>& temperature,
                               const std::optional<at::Tensor>& seed, const std::optional<at::Tensor>& offset,
                               const std::optional<at::Tensor>& d2t, const std::optional<at::Tensor>& num_draft,
-                              const VerifyShape& s, at::Tensor& rows, float* q_dense, at::Tensor& out_ids,
+                              const VerifyShape& s, at::Tensor& rows, at::Tensor& out_ids,
                               at::Tensor& num_accepted) {
   VerifyParams<T> p{};
   p.draft_ids = draft_ids.const_data_ptr<int64_t>();
@@ -95,7 +95,6 @@ VerifyParams<T> verify_params(const at::Tensor& draft_ids, const std::optional<a
   if (s.has_d2t) {
     p.d2t = d2t->const_data_ptr();
     p.d2t_i64 = d2t->scalar_type() == at::kLong;
-    p.q_dense = q_dense;
   }
   if (s.has_num_draft) {
     p.num_draft = num_draft->const_data_ptr();

@@ -150,6 +150,8 @@ BAD = [
     (dict(indices=torch.tensor([-2, 1])), r"argument 'indices' must hold values in \[-1, 10\).* got -2 at index 0"),
     (dict(indices=torch.tensor([0.0])), r"argument 'indices' must be int32 or int64, got Float"),
     (dict(indices=torch.zeros(2, 2, dtype=torch.long)), r"argument 'indices' must have shape \[num_rows\], got \[2, 2\]"),
+    (dict(indices=torch.tensor([0, 5, 3, 1])[::2]), r"argument 'indices' must be contiguous, got strides \[2\]"),
+    (dict(norm_mode="norm_before_fc", norm_weight=torch.ones(384)[::2]), r"argument 'norm_weight' must be contiguous"),
 ]
 
 
@@ -186,6 +188,8 @@ def test_bad_out_buffer():
         qspec_ext.gather_aux_hidden_out(aux, idx, torch.empty(2, 192, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match=r"qspec_ext\.gather_aux_hidden_out: argument 'out' must have a contiguous last dimension"):
         qspec_ext.gather_aux_hidden_out(aux, idx, torch.empty(192, 2).t())
+    with pytest.raises(RuntimeError, match=r"qspec_ext\.gather_aux_hidden_out: argument 'out' is written in place and must not have overlapping rows"):
+        qspec_ext.gather_aux_hidden_out(aux, idx, torch.empty(1, 192).expand(2, 192))
 
 
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs a CUDA device")

@@ -89,6 +89,37 @@ def test_eagle3_input_norm(device, dtype, tokens, hidden, norm_before_residual):
         assert torch.equal(res, h)
 
 
+def test_norms_of_zero_and_tiny_rows_depend_on_eps(device):
+    """A zero row normalizes to 0 (not NaN) and a tiny row (mean square << eps) stays small:
+    both only hold if eps enters the norm where it should."""
+    hidden = 64
+    x = torch.randn(4, hidden, device=device)
+    x[0] = 0.0
+    x[1] *= 1e-4  # mean(x^2) ~ 1e-8, far below eps
+    w = torch.rand(hidden, device=device) + 0.5
+    eps = 1e-5
+    out = qspec_ext.rms_norm(x, w, eps)
+    assert_close(out, ref.rms_norm(x, w, eps))
+    assert torch.all(out[0] == 0) and out[1].abs().max() < 0.3  # ~1 if eps were dropped
+    r = torch.zeros_like(x)
+    x_ref, r_ref = x.clone(), r.clone()
+    qspec_ext.fused_add_rms_norm_(x, r, w, eps)
+    ref.fused_add_rms_norm_(x_ref, r_ref, w, eps)
+    assert_close(x, x_ref)
+    e = torch.zeros(2, hidden, device=device)
+    h = torch.randn(2, hidden, device=device) * 1e-4
+    assert_close(qspec_ext.eagle3_input_norm(e, h, w, w, eps)[0], ref.eagle3_input_norm(e, h, w, w, eps)[0])
+    qkv = torch.randn(2, 4 * 16, device=device)
+    qkv[0] = 0.0
+    qkv[1] *= 1e-4
+    cos_sin = qspec_ext.rope_cos_sin_cache(8, 16, device=device)
+    args = (w[:16], w[16:32], cos_sin, torch.tensor([1, 2], device=device), 2, 1, 16, eps, True)
+    expected = qkv.clone()
+    qspec_ext.qk_norm_rope_(qkv, *args)
+    ref.qk_norm_rope_(expected, *args)
+    assert_close(qkv, expected)
+
+
 # ----------------------------------------------------------------------------- qk_norm_rope_
 
 
@@ -339,6 +370,13 @@ def call_rope(qkv_in, args, kv, **changes):
         (lambda q, a, kv: dict(v_cache=kv["v_cache"][:, :1]), r"'v_cache' must have shape \[num_slots, 2, 64\], got \[13, 1, 64\]"),
         (lambda q, a, kv: dict(v_cache=kv["v_cache"][:5]), r"'v_cache' must have as many slots as k_cache \(13\), got 5"),
         (lambda q, a, kv: dict(slot_mapping=None), r"'k_cache/v_cache/slot_mapping' must all be given or all be None"),
+        (lambda q, a, kv: dict(positions=torch.arange(8)[::2]), r"'positions' must be contiguous \(the kernels read it with stride 1\), got strides \[2\]"),
+        (lambda q, a, kv: dict(positions=torch.tensor([3]).expand(4)), r"'positions' must be contiguous .* got strides \[0\]"),
+        (lambda q, a, kv: dict(slot_mapping=torch.tensor([0, 2, 4, 0])), r"'slot_mapping' must not write one cache slot twice, got slot 0 more than once"),
+        (lambda q, a, kv: dict(slot_mapping=torch.arange(8)[1::2]), r"'slot_mapping' must be contiguous"),
+        (lambda q, a, kv: dict(qkv=q[:1].expand(4, -1)), r"'qkv' is written in place and must not have overlapping rows, got shape \[4, 512\] and strides \[0, 1\]"),
+        (lambda q, a, kv: dict(v_cache=kv["k_cache"]), r"'k_cache' must not share memory with 'v_cache'"),
+        (lambda q, a, kv: dict(q_weight=torch.ones(128)[::2], k_weight=torch.ones(128)[::2]), r"'q_weight' must be contiguous"),
     ],
 )
 def test_qk_norm_rope_bad_input(change, message):
@@ -367,6 +405,29 @@ def test_norm_bad_input():
         qspec_ext.eagle3_input_norm(x, x[:3], torch.ones(64), torch.ones(64))
     with pytest.raises(RuntimeError, match=r"qspec_ext\.eagle3_input_norm: argument 'hidden_weight' must be float32 or the activation dtype Float, got Half"):
         qspec_ext.eagle3_input_norm(x, x, torch.ones(64), torch.ones(64).half())
+    with pytest.raises(RuntimeError, match=r"qspec_ext\.rms_norm: argument 'weight' must be contiguous"):
+        qspec_ext.rms_norm(x, torch.ones(128)[::2])
+    with pytest.raises(RuntimeError, match=r"qspec_ext\.fused_add_rms_norm_: argument 'input' is written in place and must not have overlapping rows"):
+        qspec_ext.fused_add_rms_norm_(x[:1].expand(4, 64), x.clone(), torch.ones(64))
+    with pytest.raises(RuntimeError, match=r"qspec_ext\.fused_add_rms_norm_: argument 'residual' must not share memory with 'input'"):
+        qspec_ext.fused_add_rms_norm_(x, x, torch.ones(64))
+
+
+def test_launch_sizes_are_checked_on_the_host():
+    """Shapes whose CUDA grid would exceed 2^31 - 1 blocks are rejected on every device (stride-0
+    views make them without the memory)."""
+    rows = torch.zeros(1, 8).expand(2**31, 8)
+    with pytest.raises(RuntimeError, match=r"qspec_ext\.rms_norm: argument 'input' is too large: its number of rows = 2147483648 exceeds 2147483647"):
+        qspec_ext.rms_norm(rows, torch.ones(8))
+    with pytest.raises(RuntimeError, match=r"qspec_ext\.eagle3_input_norm: argument 'embeds' is too large: its number of rows = 2147483648"):
+        qspec_ext.eagle3_input_norm(rows, rows, torch.ones(8), torch.ones(8))
+    wide = torch.zeros(1).expand(2**30 + 1)
+    with pytest.raises(RuntimeError, match=r"qspec_ext\.rms_norm: argument 'input' must have rows of at most 1073741824 elements, got 1073741825"):
+        qspec_ext.rms_norm(wide, torch.zeros(1).expand(2**30 + 1))
+    batch = 2**31 // 33 + 1
+    drafts = torch.zeros(1, 32, dtype=torch.long).expand(batch, 32)
+    with pytest.raises(RuntimeError, match=r"qspec_ext\.verify_greedy: argument 'draft_ids' is too large: batch \* \(num_draft_tokens \+ 1\) \(one block per target row\) = 2147483661 exceeds 2147483647"):
+        qspec_ext.verify_greedy(drafts, torch.zeros(1, 33, 4).expand(batch, 33, 4))
 
 
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs a CUDA device")

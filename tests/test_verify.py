@@ -180,7 +180,7 @@ def first_tokens(vocab, k, q_kind, temperature, device, top_k=None, top_p=None, 
         draft_ids = torch.multinomial(draft_q, SEEDS, replacement=True, generator=g).t()
         draft_probs = draft_q.expand(SEEDS, k, width).contiguous()
         if q_kind == "d2t":
-            targets = torch.randperm(vocab, generator=g)[:width]
+            targets = torch.randperm(vocab, generator=g)[:width].sort().values
             d2t = targets - torch.arange(width)
             drafts = targets[draft_ids]
             q = torch.zeros(k, vocab, dtype=torch.float64)
@@ -336,6 +336,13 @@ BAD = [
     (dict(d2t=torch.full((50,), 1)), "argument 'd2t' must map every draft id into [0, 50), got draft id 49 -> 50"),
     (dict(draft_probs=None, d2t=torch.zeros(50, dtype=torch.long)), "argument 'd2t' maps draft_probs to target ids and must come with draft_probs"),
     (dict(draft_probs=torch.ones(2, 3, 50, dtype=torch.float64)), "argument 'draft_probs' must be float32 or the dtype of target_logits (Float), got Double"),
+    (dict(d2t=torch.tensor([1, -1] + [0] * 48)), "argument 'd2t' must map draft ids to strictly increasing target ids (a sorted draft vocabulary, as EAGLE-3 and speculators build it), got draft id 0 -> 1 and 1 -> 0"),
+    (dict(d2t=torch.zeros(0, dtype=torch.long), draft_probs=torch.zeros(2, 3, 0)), "argument 'd2t' must map at least one draft id, got an empty tensor"),
+    (dict(num_draft=torch.tensor([1, 0, 2, 0])[::2]), "argument 'num_draft' must be contiguous, got strides [2]"),
+    (dict(seed=torch.zeros(1, dtype=torch.long).expand(2)), "argument 'seed' must be contiguous, got strides [0]"),
+    (dict(offset=torch.zeros(4, dtype=torch.long)[::2]), "argument 'offset' must be contiguous"),
+    (dict(temperature=torch.ones(4)[::2]), "argument 'temperature' must be contiguous"),
+    (dict(d2t=torch.zeros(100, dtype=torch.long)[::2]), "argument 'd2t' must be contiguous"),
 ]
 
 

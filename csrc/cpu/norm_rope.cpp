@@ -1,5 +1,6 @@
 // CPU kernels of the norm / RoPE family: parallel over rows (tokens) with at::parallel_for,
 // vectorized by the compiler over fp32 scratch rows.
+#include <algorithm>
 #include <vector>
 
 #include <ATen/Parallel.h>
@@ -153,6 +154,18 @@ QSPEC_CPU_CLONES void qk_norm_rope_rows(const QKNormRopeParams<c10::BFloat16>& p
   qk_norm_rope_rows_impl(p, b, e);
 }
 
+// Two tokens written to one slot would race on CUDA (which cannot check values without a
+// host sync); the CPU rejects it so tests catch a caller that does it.
+void check_distinct_slots(std::string_view op, const at::Tensor& slot_mapping) {
+  std::vector<int64_t> slots;
+  for (int64_t t = 0; t < slot_mapping.numel(); ++t)
+    if (read_index(slot_mapping, t) >= 0) slots.push_back(read_index(slot_mapping, t));
+  std::sort(slots.begin(), slots.end());
+  const auto repeated = std::adjacent_find(slots.begin(), slots.end());
+  QSPEC_CHECK(repeated == slots.end(), op, "slot_mapping", "must not write one cache slot twice, got slot ",
+              repeated == slots.end() ? 0 : *repeated, " more than once");
+}
+
 void check_cpu(std::string_view op, std::string_view name, const at::Tensor& t) {
   QSPEC_CHECK(t.device().is_cpu(), op, name, "must be a CPU tensor for the CPU kernel, got ", t.device());
 }
@@ -160,10 +173,7 @@ void check_cpu(std::string_view op, std::string_view name, const at::Tensor& t) 
 }  // namespace
 
 at::Tensor rms_norm_cpu(const at::Tensor& input, const at::Tensor& weight, double eps) {
-  constexpr std::string_view op = "rms_norm";
-  check_activation(op, "input", input);
-  const at::Tensor rows = as_rows(op, "input", input);
-  check_norm_weight(op, "weight", weight, rows.size(1), input);
+  const at::Tensor rows = check_rms_norm(input, weight);
   at::Tensor out = at::empty(input.sizes(), input.options().memory_format(at::MemoryFormat::Contiguous));
   if (input.numel() == 0) return out;
   const at::Tensor w = weight_as_float(weight);
@@ -177,16 +187,7 @@ at::Tensor rms_norm_cpu(const at::Tensor& input, const at::Tensor& weight, doubl
 }
 
 void fused_add_rms_norm_cpu(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight, double eps) {
-  constexpr std::string_view op = "fused_add_rms_norm_";
-  check_activation(op, "input", input);
-  check_same_device(op, "residual", residual, input);
-  QSPEC_CHECK(residual.scalar_type() == input.scalar_type(), op, "residual", "must have the dtype of input (",
-              input.scalar_type(), "), got ", residual.scalar_type());
-  QSPEC_CHECK(residual.sizes() == input.sizes(), op, "residual", "must have the shape of input ", input.sizes(),
-              ", got ", residual.sizes());
-  const at::Tensor in_rows = as_rows(op, "input", input);
-  const at::Tensor res_rows = as_rows(op, "residual", residual);
-  check_norm_weight(op, "weight", weight, in_rows.size(1), input);
+  const auto [in_rows, res_rows] = check_fused_add_rms_norm(input, residual, weight);
   if (input.numel() == 0) return;
   const at::Tensor w = weight_as_float(weight);
   QSPEC_DISPATCH_ACTIVATION(input.scalar_type(), "fused_add_rms_norm_cpu", [&] {
@@ -237,7 +238,10 @@ void qk_norm_rope_cpu(at::Tensor& qkv, const std::optional<at::Tensor>& q_weight
   const QKNormRopeShape s = check_qk_norm_rope(qkv, q_weight, k_weight, cos_sin_cache, positions, num_heads_q,
                                                num_heads_kv, head_dim, k_cache, v_cache, slot_mapping);
   check_index_range(op, "positions", positions, 0, s.max_position, "rows of cos_sin_cache");
-  if (s.has_cache) check_index_range(op, "slot_mapping", *slot_mapping, -1, s.num_slots, "cache slots, -1 = skip");
+  if (s.has_cache) {
+    check_index_range(op, "slot_mapping", *slot_mapping, -1, s.num_slots, "cache slots, -1 = skip");
+    check_distinct_slots(op, *slot_mapping);
+  }
   if (s.num_tokens == 0) return;
   const at::Tensor qw = s.has_norm ? weight_as_float(*q_weight) : at::Tensor();
   const at::Tensor kw = s.has_norm ? weight_as_float(*k_weight) : at::Tensor();

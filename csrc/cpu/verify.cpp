@@ -1,8 +1,10 @@
-// CPU kernels of draft verification, in three steps with the math of qspec_ext/verify.h:
+// CPU kernels of draft verification, in three steps with the math and the summation
+// structure of qspec_ext/verify.h (the CUDA kernels' order, so both decide the same):
 //  1. per target row (b, i), in parallel: argmax, softmax statistics of logits / T, and
 //     p and q of the draft token;
 //  2. per request: the accept walk (decide_request);
 //  3. per request, where needed: one inverse-CDF draw over the vocab (bonus or residual).
+#include <algorithm>
 #include <vector>
 
 #include <ATen/Parallel.h>
@@ -27,12 +29,7 @@ float draft_prob_at(const VerifyParams<T>& p, int64_t b, int64_t i, int64_t inde
 }
 
 template <typename T>
-int64_t d2t_at(const VerifyParams<T>& p, int64_t d) {
-  return p.d2t_i64 ? static_cast<const int64_t*>(p.d2t)[d] : static_cast<const int32_t*>(p.d2t)[d];
-}
-
-template <typename T>
-int num_draft_of(const VerifyParams<T>& p, int64_t b) {
+int num_draft_of(const VerifyParams<T>& p, int64_t b) {  // validated to [0, K] before any work
   if (p.num_draft == nullptr) return p.num_draft_max;
   return static_cast<int>(p.num_draft_i64 ? static_cast<const int64_t*>(p.num_draft)[b]
                                           : static_cast<const int32_t*>(p.num_draft)[b]);
@@ -48,9 +45,8 @@ template <typename T>
 float draft_q(const VerifyParams<T>& p, int64_t b, int i, int64_t x) {
   if (p.draft_probs == nullptr) return 1.f;
   if (p.d2t == nullptr) return draft_prob_at(p, b, i, x);
-  for (int64_t d = 0; d < p.draft_vocab; ++d)
-    if (d + d2t_at(p, d) == x) return draft_prob_at(p, b, i, d);
-  return 0.f;  // outside the draft vocabulary
+  const int64_t d = draft_index_of(p.d2t, p.d2t_i64, p.draft_vocab, x);
+  return d >= 0 ? draft_prob_at(p, b, i, d) : 0.f;  // outside the draft vocabulary: 0
 }
 
 // Step 1 for one row: vectorizable passes over the logits (max and NaN; the argmax
@@ -105,34 +101,25 @@ QSPEC_INLINE VerifyRowStats row_stats_impl(const T* __restrict__ logits, int64_t
   VerifyRowStats r{};
   r.argmax = best;
   r.softmax = SoftmaxStats{-INFINITY, 0.f};
-  if (temperature > 0.f && !nan && max > -INFINITY) {
+  if (temperature > 0.f && !nan && is_finite(max)) {  // no distribution otherwise
     const float max_x = max / temperature;
-    float lane_sum[16] = {};
-    int64_t u = 0;
-    for (; u + 16 <= vocab; u += 16)
-      for (int j = 0; j < 16; ++j)
-        lane_sum[j] += exp_nonpositive(static_cast<float>(logits[u + j]) / temperature - max_x);
-    float sum = 0.f;
-    for (; u < vocab; ++u) sum += exp_nonpositive(static_cast<float>(logits[u]) / temperature - max_x);
-    for (int j = 0; j < 16; ++j) sum += lane_sum[j];
-    r.softmax = SoftmaxStats{max_x, sum};
+    float partial[kVerifyThreads] = {};
+    int64_t base = 0;
+    for (; base + kVerifyThreads <= vocab; base += kVerifyThreads)
+      for (int j = 0; j < kVerifyThreads; ++j)
+        partial[j] += exp_nonpositive(static_cast<float>(logits[base + j]) / temperature - max_x);
+    for (int j = 0; base + j < vocab; ++j)
+      partial[j] += exp_nonpositive(static_cast<float>(logits[base + j]) / temperature - max_x);
+    r.softmax = SoftmaxStats{max_x, combine_partials(partial)};
   }
   return r;
 }
 
-// Step 3: weights of one row into w[], returns their double sum (vectorizable).
+// Step 3: the sampling weights of one row into w[] (vectorizable).
 template <bool kResidual>
-QSPEC_INLINE double row_weights_impl(const float* __restrict__ x, const float* __restrict__ q, int64_t vocab,
-                                     SoftmaxStats stats, float* __restrict__ w) {
+QSPEC_INLINE void row_weights_impl(const float* __restrict__ x, const float* __restrict__ q, int64_t vocab,
+                                   SoftmaxStats stats, float* __restrict__ w) {
   for (int64_t v = 0; v < vocab; ++v) w[v] = sample_weight(kResidual, stats, x[v], kResidual ? q[v] : 0.f);
-  double lane[8] = {};
-  int64_t v = 0;
-  for (; v + 8 <= vocab; v += 8)
-    for (int j = 0; j < 8; ++j) lane[j] += w[v + j];
-  double total = 0.0;
-  for (; v < vocab; ++v) total += w[v];
-  for (int j = 0; j < 8; ++j) total += lane[j];
-  return total;
 }
 
 #define QSPEC_VERIFY_CLONES(T)                                                                               \
@@ -144,40 +131,41 @@ QSPEC_VERIFY_CLONES(c10::Half)
 QSPEC_VERIFY_CLONES(c10::BFloat16)
 #undef QSPEC_VERIFY_CLONES
 
-QSPEC_CPU_CLONES double row_weights(const float* x, const float* q, int64_t vocab, bool residual, SoftmaxStats stats,
-                                    float* w) {
-  return residual ? row_weights_impl<true>(x, q, vocab, stats, w) : row_weights_impl<false>(x, q, vocab, stats, w);
+QSPEC_CPU_CLONES void row_weights(const float* x, const float* q, int64_t vocab, bool residual, SoftmaxStats stats,
+                                  float* w) {
+  residual ? row_weights_impl<true>(x, q, vocab, stats, w) : row_weights_impl<false>(x, q, vocab, stats, w);
 }
 
-// The one draw of a row: inverse CDF at u * total, in target-id order, skipping whole
-// blocks of the vocab while the running sum stays below the target.
-int64_t draw(const std::vector<float>& w, double total, double u) {
-  const double target = u * total;
-  const int64_t vocab = static_cast<int64_t>(w.size());
-  constexpr int64_t kBlock = 256;
-  double cumulative = 0.0;
-  int64_t last_positive = -1;
-  for (int64_t start = 0; start < vocab; start += kBlock) {
-    const int64_t stop = std::min(vocab, start + kBlock);
-    double block = 0.0;
-    for (int64_t v = start; v < stop; ++v) block += w[v];
-    if (block > 0.0 && cumulative + block <= target) {
-      cumulative += block;
-      for (int64_t v = stop - 1; v >= start; --v)
-        if (w[v] > 0.f) {
-          last_positive = v;
-          break;
-        }
-      continue;
+// Chunk sums (in double, in order) and the last positive id of each chunk.
+void chunk_sums(const std::vector<float>& w, double* sums, int64_t* last_positive) {
+  const int64_t vocab = static_cast<int64_t>(w.size()), size = draw_chunk_size(vocab);
+  for (int c = 0; c < kVerifyThreads; ++c) {
+    const int64_t begin = std::min(vocab, c * size), end = std::min(vocab, begin + size);
+    double sum = 0.0;
+    last_positive[c] = -1;
+    for (int64_t v = begin; v < end; ++v) {
+      sum += w[v];
+      if (w[v] > 0.f) last_positive[c] = v;
     }
-    for (int64_t v = start; v < stop; ++v) {
-      if (w[v] <= 0.f) continue;
-      cumulative += w[v];
-      last_positive = v;
-      if (cumulative > target) return v;
-    }
+    sums[c] = sum;
   }
-  return last_positive;  // rounding left target at the very end
+}
+
+// The one draw of a row: inverse CDF at u * total over the chunk sums, then within the
+// chosen chunk 32 ids at a time (the CUDA kernel's structure).
+int64_t draw(const std::vector<float>& w, const double* sums, const int64_t* last_positive, double u) {
+  const int64_t vocab = static_cast<int64_t>(w.size()), size = draw_chunk_size(vocab);
+  const double target = u * chunk_total(sums);
+  DrawChoice choice = choose_chunk(sums, target);
+  if (choice.chunk < 0) return *std::max_element(last_positive, last_positive + kVerifyThreads);  // rounding
+  const int64_t begin = choice.chunk * size, end = std::min(vocab, begin + size);
+  for (int64_t group = begin; group < end; group += 32) {
+    float lanes[32];
+    for (int i = 0; i < 32; ++i) lanes[i] = group + i < end ? w[group + i] : 0.f;
+    const int hit = walk_group(lanes, choice.before, target);
+    if (hit >= 0) return group + hit;
+  }
+  return last_positive[choice.chunk];  // rounding let the walk pass the chunk
 }
 
 template <typename T>
@@ -205,6 +193,8 @@ void verify_cpu_impl(const VerifyParams<T>& p) {
   // Steps 2 and 3.
   at::parallel_for(0, p.batch, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> x, q, w;
+    double sums[kVerifyThreads];
+    int64_t last_positive[kVerifyThreads];
     for (int64_t b = begin; b < end; ++b) {
       const int n = num_draft_of(p, b);
       const float temperature = temperature_of(p, b);
@@ -227,17 +217,18 @@ void verify_cpu_impl(const VerifyParams<T>& p) {
           } else if (p.d2t == nullptr) {
             for (int64_t v = 0; v < V; ++v) q[v] = draft_prob_at(p, b, j, v);
           } else {
-            for (int64_t d = 0; d < p.draft_vocab; ++d) q[d + d2t_at(p, d)] = draft_prob_at(p, b, j, d);
+            for (int64_t d = 0; d < p.draft_vocab; ++d) q[d2t_target(p.d2t, p.d2t_i64, d)] = draft_prob_at(p, b, j, d);
           }
           q_row = q.data();
         }
         bool residual = decision.emit == VerifyEmit::kResidual;
-        double total = row_weights(x.data(), q_row, V, residual, rows[j].softmax, w.data());
-        if (residual && !(total > 0.0)) {  // p <= q everywhere: fall back to p itself
-          residual = false;
-          total = row_weights(x.data(), nullptr, V, false, rows[j].softmax, w.data());
+        row_weights(x.data(), q_row, V, residual, rows[j].softmax, w.data());
+        chunk_sums(w, sums, last_positive);
+        if (residual && !(chunk_total(sums) > 0.0)) {  // p <= q everywhere: fall back to p itself
+          row_weights(x.data(), nullptr, V, false, rows[j].softmax, w.data());
+          chunk_sums(w, sums, last_positive);
         }
-        token = draw(w, total, uniform_01(random_bits(seed, offset + j, kSampleUse)));
+        token = draw(w, sums, last_positive, uniform_01(random_bits(seed, offset + j, kSampleUse)));
       }
       int64_t* out = p.out_ids + b * rows_per_request;
       for (int i = 0; i < rows_per_request; ++i) out[i] = i < j ? drafts[i * p.draft_col_stride] : (i == j ? token : -1);
@@ -268,10 +259,15 @@ void check_verify_values(std::string_view op, const at::Tensor& draft_ids, const
                   "must hold finite values >= 0 (0 = greedy), got ", t[b], " at index ", b);
   }
   if (d2t.has_value()) {
+    int64_t previous = -1;
     for (int64_t d = 0; d < s.draft_vocab; ++d) {
       const int64_t target = d + read_index(*d2t, d);
       QSPEC_CHECK(target >= 0 && target < s.vocab, op, "d2t", "must map every draft id into [0, ", s.vocab,
                   "), got draft id ", d, " -> ", target);
+      QSPEC_CHECK(target > previous, op, "d2t",
+                  "must map draft ids to strictly increasing target ids (a sorted draft vocabulary, as EAGLE-3 "
+                  "and speculators build it), got draft id ", d - 1, " -> ", previous, " and ", d, " -> ", target);
+      previous = target;
     }
   }
 }
@@ -290,8 +286,7 @@ void verify_cpu(std::string_view op, const at::Tensor& draft_ids, const std::opt
   at::Tensor rows = verify_rows_workspace(s, target_logits);
   QSPEC_DISPATCH_ACTIVATION(target_logits.scalar_type(), "verify_cpu", [&] {
     const VerifyParams<scalar_t> p = verify_params<scalar_t>(draft_ids, draft_probs, target_logits, temperature, seed,
-                                                             offset, d2t, num_draft, s, rows, nullptr, out_ids,
-                                                             num_accepted);
+                                                             offset, d2t, num_draft, s, rows, out_ids, num_accepted);
     verify_cpu_impl(p);
   });
 }

@@ -43,9 +43,10 @@ __global__ void gather_aux_hidden_kernel(const AuxGatherParams<T> p) {
   const int H = p.hidden;
   T* out = p.out + j * p.out_stride;
   const int64_t src = load_index(p.indices, p.indices_i64, j);
-  QSPEC_DEVICE_CHECK(src >= -1 && src < p.num_source,
-                     "gather_aux_hidden: indices[%lld] = %lld outside [-1, num_tokens=%lld)", (long long)j,
-                     (long long)src, (long long)p.num_source);
+  if (threadIdx.x == 0)  // one message per bad row
+    QSPEC_DEVICE_CHECK(src >= -1 && src < p.num_source,
+                       "gather_aux_hidden: indices[%lld] = %lld outside [-1, num_tokens=%lld)", (long long)j,
+                       (long long)src, (long long)p.num_source);
   if (src < -1 || src >= p.num_source) return;
   if (src == -1) {  // padding row
     for (int e = threadIdx.x; e < p.num_aux * H; e += blockDim.x) out[e] = T(0);

@@ -88,13 +88,15 @@ inline int row_threads(int64_t width, int vec) {
 
 }  // namespace qspec_ext::cuda
 
-// A value check inside a kernel: print what was wrong, then fail the launch (the next
-// CUDA call raises "device-side assert triggered"). The caller returns right after, so
-// nothing is read or written out of bounds even where asserts are compiled out.
-#define QSPEC_DEVICE_CHECK(cond, fmt, ...)                \
-  do {                                                    \
-    if (C10_UNLIKELY(!(cond))) {                          \
-      printf("qspec_ext." fmt "\n", __VA_ARGS__);         \
-      CUDA_KERNEL_ASSERT_MSG(false, "qspec_ext: " #cond); \
-    }                                                     \
+// A value check inside a kernel: print what was wrong (once per warp: the lowest lane
+// that fails), then fail the launch (the next CUDA call raises "device-side assert
+// triggered"). The caller returns right after, so nothing is read or written out of bounds
+// even where asserts are compiled out.
+#define QSPEC_DEVICE_CHECK(cond, fmt, ...)                                                     \
+  do {                                                                                         \
+    if (C10_UNLIKELY(!(cond))) {                                                               \
+      if (threadIdx.x % qspec_ext::cuda::kWarpSize == __ffs(__activemask()) - 1)              \
+        printf("qspec_ext." fmt "\n", __VA_ARGS__);                                           \
+      CUDA_KERNEL_ASSERT_MSG(false, "qspec_ext: " #cond);                                      \
+    }                                                                                          \
   } while (0)

@@ -4,7 +4,8 @@
 //  - qk_norm_rope_: one warp per (token, head). The normalized head is staged in fp32
 //    shared memory, so RoPE partners are read from there rather than shuffled between
 //    lanes: any even head_dim up to 512 and any rotary_dim work, with no shuffle inside
-//    a divergent branch (the partial-rotary bug seen in other implementations).
+//    a divergent branch (the partial-rotary bug seen in other implementations). Lanes
+//    read elements other lanes staged only after a __syncwarp().
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -138,6 +139,7 @@ struct QKNormRopeArgs {
   int num_heads_q, num_heads_kv, head_dim, rot_dim;
   float eps;
   bool is_neox;
+  bool has_cache;  // (an empty cache has a null data pointer)
 };
 
 // Grid: one warp per (token, head) over the q and k heads, plus the v heads when the
@@ -146,7 +148,7 @@ template <typename T, int VEC>
 __global__ void __launch_bounds__(kWarpsPerBlock* kWarpSize) qk_norm_rope_kernel(const QKNormRopeArgs<T> a) {
   __shared__ float staged[kWarpsPerBlock][kMaxHeadDim];
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-  const int heads_per_token = a.num_heads_q + a.num_heads_kv + (a.k_cache != nullptr ? a.num_heads_kv : 0);
+  const int heads_per_token = a.num_heads_q + a.num_heads_kv + (a.has_cache ? a.num_heads_kv : 0);
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
   if (item >= a.num_tokens * heads_per_token) return;  // whole warp leaves together
   const int64_t t = item / heads_per_token;
@@ -155,7 +157,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock* kWarpSize) qk_norm_rope_kernel
   T* x = a.qkv + t * a.qkv_stride + static_cast<int64_t>(h) * D;
 
   int64_t slot = -1;
-  if (a.k_cache != nullptr) {
+  if (a.has_cache) {
     slot = load_index(a.slot_mapping, a.slots_i64, t);
     QSPEC_DEVICE_CHECK(slot >= -1 && slot < a.num_slots,
                        "qk_norm_rope_: slot_mapping[%lld] = %lld outside [-1, num_slots=%lld)", (long long)t,
@@ -187,6 +189,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock* kWarpSize) qk_norm_rope_kernel
       ss += s[i + j] * s[i + j];
     }
   }
+  __syncwarp();  // the loops below read elements other lanes staged (shuffles do not order shared memory)
   if (a.q_weight != nullptr) {
     const float inv = rms_inv(warp_sum(ss), D, a.eps);  // every lane reaches the shuffle
     const void* w = is_q ? a.q_weight : a.k_weight;
@@ -227,9 +230,7 @@ void check_cuda(std::string_view op, std::string_view name, const at::Tensor& t)
 at::Tensor rms_norm_cuda(const at::Tensor& input, const at::Tensor& weight, double eps) {
   constexpr std::string_view op = "rms_norm";
   check_cuda(op, "input", input);
-  check_activation(op, "input", input);
-  const at::Tensor rows = as_rows(op, "input", input);
-  check_norm_weight(op, "weight", weight, rows.size(1), input);
+  const at::Tensor rows = check_rms_norm(input, weight);
   at::Tensor out = at::empty(input.sizes(), input.options().memory_format(at::MemoryFormat::Contiguous));
   if (input.numel() == 0) return out;
   const c10::cuda::CUDAGuard guard(input.device());
@@ -250,15 +251,7 @@ at::Tensor rms_norm_cuda(const at::Tensor& input, const at::Tensor& weight, doub
 void fused_add_rms_norm_cuda(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight, double eps) {
   constexpr std::string_view op = "fused_add_rms_norm_";
   check_cuda(op, "input", input);
-  check_activation(op, "input", input);
-  check_same_device(op, "residual", residual, input);
-  QSPEC_CHECK(residual.scalar_type() == input.scalar_type(), op, "residual", "must have the dtype of input (",
-              input.scalar_type(), "), got ", residual.scalar_type());
-  QSPEC_CHECK(residual.sizes() == input.sizes(), op, "residual", "must have the shape of input ", input.sizes(),
-              ", got ", residual.sizes());
-  const at::Tensor in_rows = as_rows(op, "input", input);
-  const at::Tensor res_rows = as_rows(op, "residual", residual);
-  check_norm_weight(op, "weight", weight, in_rows.size(1), input);
+  const auto [in_rows, res_rows] = check_fused_add_rms_norm(input, residual, weight);
   if (input.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(input.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -350,6 +343,7 @@ void qk_norm_rope_cuda(at::Tensor& qkv, const std::optional<at::Tensor>& q_weigh
     a.rot_dim = static_cast<int>(s.rot_dim);
     a.eps = static_cast<float>(eps);
     a.is_neox = is_neox;
+    a.has_cache = s.has_cache;
     // Pairs of elements load with one access when every row start is pair-aligned.
     const bool pairs = pick_vec<scalar_t>(2, {{qkv.data_ptr(), qkv.stride(0)}}) >= 2;
     if (pairs) {

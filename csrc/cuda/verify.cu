@@ -1,9 +1,29 @@
-// CUDA kernels of draft verification, with the math of qspec_ext/verify.h:
-//  1. row_stats_kernel, one block per target row (b, i): argmax and online-softmax
-//     statistics in one coalesced pass over the logits, plus p and q of the draft token;
+// CUDA kernels of draft verification, with the math and the summation structure of
+// qspec_ext/verify.h (shared with the CPU kernels, so both make the same decisions):
+//  1. row_stats_kernel, one 256-thread block per target row (b, i): the argmax in one
+//     coalesced pass, then (sampling rows) the softmax sum in a second pass over the row
+//     (from L2), plus p and q of the draft token;
 //  2. emit_kernel, one block per request: the accept walk (decide_request) and, where
-//     needed, one inverse-CDF draw over the vocab: warps sum contiguous segments, the
-//     segment holding u * total is walked 32 tokens at a time with a warp scan.
+//     needed, one inverse-CDF draw in two levels: thread c sums the weights of vocab
+//     chunk c, thread 0 picks the chunk holding u * total, warp 0 scans that chunk 32 ids
+//     at a time. With d2t, q at a target id is found by a cursor into the (increasing)
+//     draft vocabulary: no [B, V] workspace.
+//
+// Small batches (design, to be validated on a GPU before it replaces step 1): at B = 1,
+// K = 3 step 1 launches 4 blocks on an H200's 132 SMs, so one logits row (600 KB at
+// V = 151936) is read by one SM. The split-V variant gives each row S blocks (S chosen so
+// B * (K+1) * S fills the SMs about twice, and each split a multiple of 256 * 32 ids):
+//  - pass A, per (row, split): the argmax of the split and, after a grid-wide ordering
+//    (a second kernel, or a per-row arrival counter), the split's 256 softmax partials
+//    laid out as in the unsplit kernel: split s owns the strided partials' terms with
+//    v in its range, so each of the 256 partials is a sum over splits in split order;
+//  - combine, per row: partial j = sum over s of split_partial[s][j] in order, then the
+//    butterfly + warp order of combine_partials. The CPU adds each partial's terms in the
+//    same split-then-stride order (the terms of partial j are grouped by split before
+//    they are added), so CPU == CUDA holds bit for bit.
+//  - the draw's chunk sums get the same treatment (chunks of a split summed by its block).
+// bench_verify.py's B = 1 / 8, K = 3 / 7, V = 151936 rows show the gap this closes (% of
+// copy bandwidth on a GPU).
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -22,34 +42,58 @@ namespace {
 using cuda::kWarpSize;
 using cuda::load_index;
 using cuda::load_mixed;
+using cuda::warp_sum;
 
-constexpr int kThreads = 256;
+constexpr int kThreads = kVerifyThreads;  // the summation structure assumes exactly this
 constexpr int kWarps = kThreads / kWarpSize;
+static_assert(kWarps == kVerifyWarps);
 
+// num_draft[b] in 64 bits (range-checked by the caller before any narrowing).
 template <typename T>
-__device__ __forceinline__ int num_draft_of(const VerifyParams<T>& p, int64_t b) {
-  return p.num_draft == nullptr ? p.num_draft_max : static_cast<int>(load_index(p.num_draft, p.num_draft_i64, b));
+__device__ __forceinline__ int64_t num_draft_of(const VerifyParams<T>& p, int64_t b) {
+  return p.num_draft == nullptr ? p.num_draft_max : load_index(p.num_draft, p.num_draft_i64, b);
 }
 
-__device__ __forceinline__ void warp_reduce(ArgMax& a, SoftmaxStats& s) {
+__device__ __forceinline__ void warp_argmax(ArgMax& a) {
 #pragma unroll
   for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
     const float value = __shfl_xor_sync(0xffffffffu, a.value, offset);
     const long long index = __shfl_xor_sync(0xffffffffu, static_cast<long long>(a.index), offset);
     argmax_update(a, value, index);
-    const SoftmaxStats other{__shfl_xor_sync(0xffffffffu, s.max, offset), __shfl_xor_sync(0xffffffffu, s.sum, offset)};
-    s = softmax_merge(s, other);
+  }
+}
+
+// Block 0 checks the whole mapping once per call: target ids in range and increasing.
+template <typename T>
+__device__ void check_d2t(const VerifyParams<T>& p) {
+  __shared__ unsigned long long first_bad;
+  if (threadIdx.x == 0) first_bad = static_cast<unsigned long long>(p.draft_vocab);
+  __syncthreads();
+  for (int64_t d = threadIdx.x; d < p.draft_vocab; d += kThreads) {
+    const int64_t t = d2t_target(p.d2t, p.d2t_i64, d);
+    const bool ok = t >= 0 && t < p.vocab && (d == 0 || t > d2t_target(p.d2t, p.d2t_i64, d - 1));
+    if (!ok) atomicMin(&first_bad, static_cast<unsigned long long>(d));
+  }
+  __syncthreads();
+  if (threadIdx.x == 0 && first_bad < static_cast<unsigned long long>(p.draft_vocab)) {
+    const long long d = static_cast<long long>(first_bad);
+    QSPEC_DEVICE_CHECK(false,
+                       "verify_sampling: d2t must map draft ids to strictly increasing target ids in [0, %lld), "
+                       "got draft id %lld -> %lld",
+                       (long long)p.vocab, d, (long long)d2t_target(p.d2t, p.d2t_i64, d));
   }
 }
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) row_stats_kernel(const VerifyParams<T> p) {
-  const int i = blockIdx.x;
-  const int64_t b = blockIdx.y;
-  const int n = num_draft_of(p, b);
+  const int rows_per_request = p.num_draft_max + 1;
+  const int64_t b = blockIdx.x / rows_per_request;
+  const int i = static_cast<int>(blockIdx.x % rows_per_request);
+  if (blockIdx.x == 0 && p.d2t != nullptr) check_d2t(p);
+  const int64_t n = num_draft_of(p, b);
   if (threadIdx.x == 0)
-    QSPEC_DEVICE_CHECK(n >= 0 && n <= p.num_draft_max, "verify: num_draft[%lld] = %d outside [0, %d]",
-                       (long long)b, n, p.num_draft_max);
+    QSPEC_DEVICE_CHECK(n >= 0 && n <= p.num_draft_max, "verify: num_draft[%lld] = %lld outside [0, %d]",
+                       (long long)b, (long long)n, p.num_draft_max);
   if (n < 0 || n > p.num_draft_max || i > n) return;
   const float temperature = p.temperature == nullptr ? 0.f : p.temperature[b];
   if (threadIdx.x == 0)
@@ -57,52 +101,50 @@ __global__ void __launch_bounds__(kThreads) row_stats_kernel(const VerifyParams<
                        "verify_sampling: temperature[%lld] = %f is not a finite value >= 0", (long long)b,
                        temperature);
   if (!(temperature >= 0.f && temperature < INFINITY)) return;
-  const bool sampling = temperature > 0.f;
-  const T* logits = p.logits + b * p.logits_stride_b + i * p.logits_stride_i;
-
-  ArgMax best{-INFINITY, p.vocab};
-  SoftmaxStats stats{-INFINITY, 0.f};
-  for (int64_t v = threadIdx.x; v < p.vocab; v += kThreads) {
-    const float x = static_cast<float>(logits[v]);
-    argmax_update(best, x, v);
-    if (sampling) softmax_update(stats, x / temperature);
-  }
-  warp_reduce(best, stats);
-  __shared__ ArgMax warp_best[kWarps];
-  __shared__ SoftmaxStats warp_stats[kWarps];
-  __shared__ int64_t draft_index;
-  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-  if (lane == 0) {
-    warp_best[warp] = best;
-    warp_stats[warp] = stats;
-  }
-  if (threadIdx.x == 0) draft_index = p.draft_vocab;
-  __syncthreads();
-
-  const bool needs_q = sampling && i < n;
   const int64_t x = i < n ? p.draft_ids[b * p.draft_stride + i * p.draft_col_stride] : 0;
   if (threadIdx.x == 0)
     QSPEC_DEVICE_CHECK(x >= 0 && x < p.vocab, "verify: draft_ids[%lld, %d] = %lld outside [0, vocab=%lld)",
                        (long long)b, i, (long long)x, (long long)p.vocab);
   if (x < 0 || x >= p.vocab) return;
-  if (needs_q && p.d2t != nullptr) {  // the draft-vocab id of x, if any
-    for (int64_t d = threadIdx.x; d < p.draft_vocab; d += kThreads) {
-      const int64_t target = d + load_index(p.d2t, p.d2t_i64, d);
-      QSPEC_DEVICE_CHECK(target >= 0 && target < p.vocab, "verify_sampling: d2t maps draft id %lld to %lld, outside [0, %lld)",
-                         (long long)d, (long long)target, (long long)p.vocab);
-      if (target == x) atomicMin(reinterpret_cast<unsigned long long*>(&draft_index), static_cast<unsigned long long>(d));
-    }
+  const T* logits = p.logits + b * p.logits_stride_b + i * p.logits_stride_i;
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+
+  // Pass 1: the argmax (torch.argmax semantics; the order does not matter).
+  ArgMax best{-INFINITY, p.vocab};
+  for (int64_t v = threadIdx.x; v < p.vocab; v += kThreads) argmax_update(best, static_cast<float>(logits[v]), v);
+  warp_argmax(best);
+  __shared__ ArgMax warp_best[kWarps];
+  __shared__ ArgMax row_best;
+  if (lane == 0) warp_best[warp] = best;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    row_best = warp_best[0];
+    for (int w = 1; w < kWarps; ++w) argmax_update(row_best, warp_best[w].value, warp_best[w].index);
+  }
+  __syncthreads();
+
+  // Pass 2 (sampling rows with a finite max): the softmax sum in the shared order.
+  VerifyRowStats r{};
+  r.argmax = row_best;
+  r.softmax = SoftmaxStats{-INFINITY, 0.f};
+  const float row_max = row_best.value;  // NaN if the row has one
+  if (temperature > 0.f && is_finite(row_max)) {  // block-uniform; no distribution otherwise
+    const float max_x = row_max / temperature;
+    float sum = 0.f;
+    for (int64_t v = threadIdx.x; v < p.vocab; v += kThreads)
+      sum = add_rn(sum, exp_nonpositive(static_cast<float>(logits[v]) / temperature - max_x));
+    sum = warp_sum(sum);
+    __shared__ float warp_sums[kWarps];
+    if (lane == 0) warp_sums[warp] = sum;
     __syncthreads();
+    if (threadIdx.x == 0) {
+      float total = warp_sums[0];
+      for (int w = 1; w < kWarps; ++w) total = add_rn(total, warp_sums[w]);
+      r.softmax = SoftmaxStats{max_x, total};
+    }
   }
   if (threadIdx.x != 0) return;
-  VerifyRowStats r{};
-  r.argmax = warp_best[0];
-  r.softmax = warp_stats[0];
-  for (int w = 1; w < kWarps; ++w) {
-    argmax_update(r.argmax, warp_best[w].value, warp_best[w].index);
-    r.softmax = softmax_merge(r.softmax, warp_stats[w]);
-  }
-  if (needs_q) {
+  if (i < n && temperature > 0.f) {
     r.draft_logit = static_cast<float>(logits[x]) / temperature;
     const int64_t prob_row = b * p.probs_stride_b + i * p.probs_stride_i;
     if (p.draft_probs == nullptr) {
@@ -110,43 +152,34 @@ __global__ void __launch_bounds__(kThreads) row_stats_kernel(const VerifyParams<
     } else if (p.d2t == nullptr) {
       r.draft_q = load_mixed<T>(p.draft_probs, p.probs_f32, prob_row + x);
     } else {
-      r.draft_q = draft_index < p.draft_vocab ? load_mixed<T>(p.draft_probs, p.probs_f32, prob_row + draft_index) : 0.f;
+      const int64_t d = draft_index_of(p.d2t, p.d2t_i64, p.draft_vocab, x);
+      r.draft_q = d >= 0 ? load_mixed<T>(p.draft_probs, p.probs_f32, prob_row + d) : 0.f;
     }
   }
-  p.rows[b * (p.num_draft_max + 1) + i] = r;
+  p.rows[blockIdx.x] = r;
 }
 
-// The sampling weight of target id v at row j of request b.
+// q(v) of the emitted row; v must not decrease between calls with the same cursor d
+// (a position in the draft vocabulary, used with d2t).
 template <typename T>
-__device__ __forceinline__ float weight_at(const VerifyParams<T>& p, const T* logits, int64_t v, float temperature,
-                                           bool residual, const SoftmaxStats& stats, const float* q_dense,
-                                           int64_t b, int j, int64_t draft) {
-  float q = 0.f;
-  if (residual) {
-    if (p.draft_probs == nullptr) {
-      q = v == draft ? 1.f : 0.f;
-    } else if (q_dense != nullptr) {
-      q = q_dense[v];
-    } else {
-      q = load_mixed<T>(p.draft_probs, p.probs_f32, b * p.probs_stride_b + j * p.probs_stride_i + v);
-    }
-  }
-  return sample_weight(residual, stats, static_cast<float>(logits[v]) / temperature, q);
-}
-
-__device__ __forceinline__ double warp_sum_d(double v) {
-#pragma unroll
-  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
+__device__ __forceinline__ float q_at(const VerifyParams<T>& p, int64_t prob_row, int64_t draft, int64_t v,
+                                      int64_t& d) {
+  if (p.draft_probs == nullptr) return v == draft ? 1.f : 0.f;
+  if (p.d2t == nullptr) return load_mixed<T>(p.draft_probs, p.probs_f32, prob_row + v);
+  while (d < p.draft_vocab && d2t_target(p.d2t, p.d2t_i64, d) < v) ++d;
+  return d < p.draft_vocab && d2t_target(p.d2t, p.d2t_i64, d) == v
+             ? load_mixed<T>(p.draft_probs, p.probs_f32, prob_row + d)
+             : 0.f;
 }
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) emit_kernel(const VerifyParams<T> p) {
   const int64_t b = blockIdx.x;
   const int rows_per_request = p.num_draft_max + 1;
-  const int n = num_draft_of(p, b);
+  const int64_t n64 = num_draft_of(p, b);
   const float temperature = p.temperature == nullptr ? 0.f : p.temperature[b];
-  if (n < 0 || n > p.num_draft_max || !(temperature >= 0.f && temperature < INFINITY)) return;  // reported above
+  if (n64 < 0 || n64 > p.num_draft_max || !(temperature >= 0.f && temperature < INFINITY)) return;  // reported above
+  const int n = static_cast<int>(n64);
   const VerifyRowStats* rows = p.rows + b * rows_per_request;
   const int64_t* drafts = p.draft_ids + b * p.draft_stride;
   const int64_t seed = p.seed != nullptr ? p.seed[b] : 0, offset = p.offset != nullptr ? p.offset[b] : 0;
@@ -154,105 +187,83 @@ __global__ void __launch_bounds__(kThreads) emit_kernel(const VerifyParams<T> p)
     if (drafts[i * p.draft_col_stride] < 0 || drafts[i * p.draft_col_stride] >= p.vocab) return;  // reported above
   const VerifyDecision decision = decide_request(rows, drafts, p.draft_col_stride, n, temperature, seed, offset);
   const int j = decision.accepted;
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
 
   __shared__ int64_t token;
   if (decision.emit == VerifyEmit::kArgmax) {
     if (threadIdx.x == 0) token = rows[j].argmax.index;
-  } else {
+  } else {  // block-uniform
     const T* logits = p.logits + b * p.logits_stride_b + j * p.logits_stride_i;
-    bool residual = decision.emit == VerifyEmit::kResidual;
-    const float* q_dense = nullptr;
-    if (residual && p.d2t != nullptr) {  // q over target ids for this row
-      float* q = p.q_dense + b * p.vocab;
-      for (int64_t v = threadIdx.x; v < p.vocab; v += kThreads) q[v] = 0.f;
-      __syncthreads();
-      const int64_t prob_row = b * p.probs_stride_b + j * p.probs_stride_i;
-      for (int64_t d = threadIdx.x; d < p.draft_vocab; d += kThreads) {
-        const int64_t target = d + load_index(p.d2t, p.d2t_i64, d);
-        if (target >= 0 && target < p.vocab) q[target] = load_mixed<T>(p.draft_probs, p.probs_f32, prob_row + d);
-      }
-      __syncthreads();
-      q_dense = q;
-    }
-    // Each warp owns a contiguous segment of the vocab, read by its lanes in order.
-    const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-    const int64_t segment = (p.vocab + kWarps - 1) / kWarps;
-    const int64_t begin = warp * segment, end = min(p.vocab, begin + segment);
-    __shared__ double warp_total[kWarps];
-    __shared__ long long warp_last[kWarps];
-    __shared__ bool use_residual;
-    __shared__ int chosen_warp;
-    __shared__ double before_chosen;
+    const int64_t prob_row = b * p.probs_stride_b + j * p.probs_stride_i;
+    const int64_t draft = j < n ? drafts[j * p.draft_col_stride] : -1;
+    const SoftmaxStats stats = rows[j].softmax;
+    const int64_t size = draw_chunk_size(p.vocab);
+    auto weight = [&](bool residual, int64_t v, int64_t& d) {
+      const float q = residual ? q_at(p, prob_row, draft, v, d) : 0.f;
+      return sample_weight(residual, stats, static_cast<float>(logits[v]) / temperature, q);
+    };
+    auto cursor = [&](bool residual, int64_t v) {
+      return residual && p.d2t != nullptr ? d2t_lower_bound(p.d2t, p.d2t_i64, p.draft_vocab, v) : int64_t{0};
+    };
+    __shared__ double sums[kThreads];
+    __shared__ int64_t last_positive[kThreads];
+    __shared__ bool retry, use_residual;
+    __shared__ DrawChoice choice;
     __shared__ double target;
-    for (int attempt = 0; attempt < 2; ++attempt) {
+    // Level 1: chunk sums; a residual with no positive weight (p <= q everywhere) falls back to p.
+    for (bool residual = decision.emit == VerifyEmit::kResidual;; residual = false) {
+      const int64_t begin = min(p.vocab, threadIdx.x * size), end = min(p.vocab, begin + size);
+      int64_t d = cursor(residual, begin), last = -1;
       double sum = 0.0;
-      long long last = -1;
-      for (int64_t v = begin + lane; v < end; v += kWarpSize) {
-        const float w = weight_at(p, logits, v, temperature, residual, rows[j].softmax, q_dense, b, j, drafts[(j < n ? j : 0) * p.draft_col_stride]);
+      for (int64_t v = begin; v < end; ++v) {
+        const float w = weight(residual, v, d);
         sum += w;
         if (w > 0.f) last = v;
       }
-      sum = warp_sum_d(sum);
-#pragma unroll
-      for (int o = kWarpSize / 2; o > 0; o /= 2) last = max(last, __shfl_xor_sync(0xffffffffu, last, o));
-      if (lane == 0) {
-        warp_total[warp] = sum;
-        warp_last[warp] = last;
-      }
+      sums[threadIdx.x] = sum;
+      last_positive[threadIdx.x] = last;
       __syncthreads();
       if (threadIdx.x == 0) {
-        double total = 0.0;
-        for (int w = 0; w < kWarps; ++w) total += warp_total[w];
-        use_residual = residual && total > 0.0;
-        if (residual && !(total > 0.0)) {  // p <= q everywhere: fall back to p itself
-          chosen_warp = -2;
-        } else {
+        const double total = chunk_total(sums);
+        retry = residual && !(total > 0.0);
+        if (!retry) {
+          use_residual = residual;
           target = uniform_01(random_bits(seed, offset + j, kSampleUse)) * total;
-          double running = 0.0;
-          chosen_warp = -1;
-          for (int w = 0; w < kWarps && chosen_warp < 0; ++w) {
-            if (warp_total[w] > 0.0 && running + warp_total[w] > target) {
-              chosen_warp = w;
-              before_chosen = running;
-              token = warp_last[w];  // kept if rounding lets the walk below pass the segment
-            } else {
-              running += warp_total[w];
-            }
-          }
-          if (chosen_warp < 0) {  // rounding left target at the very end
-            long long last_all = -1;
-            for (int w = 0; w < kWarps; ++w) last_all = max(last_all, warp_last[w]);
-            token = last_all;
-          }
+          choice = choose_chunk(sums, target);
         }
       }
       __syncthreads();
-      if (chosen_warp != -2) break;
-      residual = false;
-      __syncthreads();
+      if (!retry) break;
     }
-    if (chosen_warp >= 0 && warp == chosen_warp) {
-      double running = before_chosen;
-      for (int64_t base = begin; base < end; base += kWarpSize) {
-        const int64_t v = base + lane;
-        const float w = v < end ? weight_at(p, logits, v, temperature, use_residual, rows[j].softmax, q_dense, b, j,
-                                            drafts[(j < n ? j : 0) * p.draft_col_stride])
-                                : 0.f;
+    // Level 2: warp 0 scans the chosen chunk, 32 ids at a time.
+    if (choice.chunk < 0) {  // rounding left the target past the end
+      if (threadIdx.x == 0) {
+        int64_t last = -1;
+        for (int c = 0; c < kThreads; ++c) last = max(last, last_positive[c]);
+        token = last;
+      }
+    } else if (warp == 0) {
+      const int64_t begin = choice.chunk * size, end = min(p.vocab, begin + size);
+      double before = choice.before;
+      int64_t d = cursor(use_residual, begin + lane), found = -1;
+      for (int64_t group = begin; group < end; group += kWarpSize) {
+        const int64_t v = group + lane;
+        const float w = v < end ? weight(use_residual, v, d) : 0.f;
         double inclusive = w;
 #pragma unroll
         for (int o = 1; o < kWarpSize; o *= 2) {
           const double up = __shfl_up_sync(0xffffffffu, inclusive, o);
           if (lane >= o) inclusive += up;
         }
-        const unsigned hit = __ballot_sync(0xffffffffu, w > 0.f && running + inclusive > target);
+        const unsigned hit = __ballot_sync(0xffffffffu, w > 0.f && before + inclusive > target);
         if (hit != 0) {
-          if (lane == __ffs(hit) - 1) token = v;
+          found = group + __ffs(hit) - 1;
           break;
         }
-        running += __shfl_sync(0xffffffffu, inclusive, kWarpSize - 1);
+        before += __shfl_sync(0xffffffffu, inclusive, kWarpSize - 1);
       }
+      if (lane == 0) token = found >= 0 ? found : last_positive[choice.chunk];  // rounding passed the chunk
     }
-    __syncthreads();
   }
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -275,13 +286,11 @@ void verify_cuda(std::string_view op, const at::Tensor& draft_ids, const std::op
   const c10::cuda::CUDAGuard guard(target_logits.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   at::Tensor rows = verify_rows_workspace(s, target_logits);
-  at::Tensor q_dense;
-  if (s.has_d2t) q_dense = at::empty({s.batch, s.vocab}, target_logits.options().dtype(at::kFloat));
   QSPEC_DISPATCH_ACTIVATION(target_logits.scalar_type(), "verify_cuda", [&] {
     const VerifyParams<scalar_t> p = verify_params<scalar_t>(draft_ids, draft_probs, target_logits, temperature, seed,
-                                                             offset, d2t, num_draft, s, rows, (s.has_d2t ? q_dense.data_ptr<float>() : nullptr), out_ids,
-                                                             num_accepted);
-    row_stats_kernel<scalar_t><<<dim3(s.num_draft_max + 1, s.batch), kThreads, 0, stream>>>(p);
+                                                             offset, d2t, num_draft, s, rows, out_ids, num_accepted);
+    // 1-D grids: B * (K + 1) <= 2^31 - 1 is checked with the shapes.
+    row_stats_kernel<scalar_t><<<s.batch * (s.num_draft_max + 1), kThreads, 0, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     emit_kernel<scalar_t><<<s.batch, kThreads, 0, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -186,7 +186,8 @@ def verify_sampling(draft_ids, draft_probs, target_logits, temperature, seed, of
             accepted_counts.append(int(acc[0]))
             continue
         s, o = int(seed[b]), int(offset[b])
-        valid = [bool(torch.isfinite(logits[i]).any() and not torch.isnan(logits[i]).any()) for i in range(k + 1)]
+        # A row has a distribution only if its max is finite (no NaN, not all -inf, no +inf).
+        valid = [bool(torch.isfinite(logits[i].max()) and not torch.isnan(logits[i]).any()) for i in range(k + 1)]
         p = torch.softmax(logits / temp, dim=-1)
         accepted, emit = 0, "target"
         while accepted < n:

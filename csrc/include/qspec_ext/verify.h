@@ -51,7 +51,7 @@ QSPEC_HOST_DEVICE float exp_nonpositive(float x) {
   p = fma_f(p, r, 5.0000001201e-1f);
   p = fma_f(p, r * r, r + 1.f);
   const float scale = float_from_bits((static_cast<int32_t>(n) + 127) << 23);
-  return x < -87.f ? 0.f : p * scale;
+  return x < -87.f ? 0.f : mul_rn(p, scale);  // not fused into a caller's sum
 }
 
 QSPEC_HOST_DEVICE bool is_finite(float x) { return x == x && x - x == 0.f; }
@@ -118,29 +118,103 @@ QSPEC_HOST_DEVICE void argmax_update(ArgMax& current, float value, int64_t index
   if (argmax_prefers(value, index, current)) current = ArgMax{value, index};
 }
 
-// Online softmax statistics of logits / temperature: max and sum of exp(x - max).
+// Softmax statistics of logits / temperature: the max and sum of exp(x - max).
 struct SoftmaxStats {
   float max;
   float sum;
 };
 
-QSPEC_HOST_DEVICE void softmax_update(SoftmaxStats& s, float x) {
-  if (x > s.max) {
-    s.sum = s.sum * exp_nonpositive(s.max - x) + 1.f;
-    s.max = x;
-  } else if (x > -INFINITY) {
-    s.sum += exp_nonpositive(x - s.max);
+// ---- the summation structure, shared by CPU and CUDA ----
+// Both kernels add the same values in the same order, so the row statistics, the accept
+// decisions and the draws are bit-identical on CPU and CUDA (the per-element math above is
+// shared and every rounding step is explicit).
+//  - softmax sum of a row: partial j (CUDA: thread j of a 256-thread block) adds the terms
+//    of v = j, j + 256, j + 512, ... in order; the 256 partials are combined by warps of
+//    32 in the order of an xor butterfly (offsets 16, 8, 4, 2, 1), then the 8 warp sums in
+//    order (combine_partials is that order written out for the CPU).
+//  - a draw over a row: the vocab is split into 256 chunks of draw_chunk_size(V) ids;
+//    chunk c's weights are summed in order in double; choose_chunk walks the chunk sums
+//    in order; the chosen chunk is scanned 32 ids at a time with an inclusive
+//    Hillis-Steele scan in double (walk_group is that scan written out for the CPU).
+constexpr int kVerifyThreads = 256;
+constexpr int kVerifyWarps = kVerifyThreads / 32;
+
+// partial[0..255] -> the sum in the CUDA kernel's order (see above).
+inline float combine_partials(const float* partial) {
+  float total = 0.f;
+  for (int w = 0; w < kVerifyWarps; ++w) {
+    float lane[32];
+    for (int i = 0; i < 32; ++i) lane[i] = partial[w * 32 + i];
+    for (int offset = 16; offset > 0; offset /= 2) {
+      float next[32];
+      for (int i = 0; i < 32; ++i) next[i] = lane[i] + lane[i ^ offset];
+      for (int i = 0; i < 32; ++i) lane[i] = next[i];
+    }
+    total = w == 0 ? lane[0] : total + lane[0];
   }
+  return total;
 }
 
-QSPEC_HOST_DEVICE SoftmaxStats softmax_merge(SoftmaxStats a, SoftmaxStats b) {
-  if (b.max > a.max) {
-    const SoftmaxStats t = a;
-    a = b;
-    b = t;
+QSPEC_HOST_DEVICE int64_t draw_chunk_size(int64_t vocab) { return (vocab + kVerifyThreads - 1) / kVerifyThreads; }
+
+struct DrawChoice {
+  int chunk;      // the chunk holding the target, or -1 if rounding left it past the end
+  double before;  // sum of the chunks before it
+};
+
+QSPEC_HOST_DEVICE DrawChoice choose_chunk(const double* chunk_sums, double target) {
+  double running = 0.0;
+  for (int c = 0; c < kVerifyThreads; ++c) {
+    if (chunk_sums[c] > 0.0 && running + chunk_sums[c] > target) return {c, running};
+    running += chunk_sums[c];
   }
-  if (b.max > -INFINITY) a.sum += b.sum * exp_nonpositive(b.max - a.max);
-  return a;
+  return {-1, running};
+}
+
+QSPEC_HOST_DEVICE double chunk_total(const double* chunk_sums) {
+  double total = 0.0;
+  for (int c = 0; c < kVerifyThreads; ++c) total += chunk_sums[c];
+  return total;
+}
+
+// One group of 32 weights w[0..31] of the chosen chunk (0 past its end): the index of the
+// first positive weight whose inclusive prefix (added to before) passes target, or -1;
+// before grows by the group's sum. The CUDA kernel does the same with warp shuffles.
+inline int walk_group(const float* w, double& before, double target) {
+  double inclusive[32];
+  for (int i = 0; i < 32; ++i) inclusive[i] = w[i];
+  for (int offset = 1; offset < 32; offset *= 2)
+    for (int i = 31; i >= offset; --i) inclusive[i] = inclusive[i] + inclusive[i - offset];
+  for (int i = 0; i < 32; ++i)
+    if (w[i] > 0.f && before + inclusive[i] > target) return i;
+  before += inclusive[31];
+  return -1;
+}
+
+// The target id of draft id d: d + d2t[d] (d2t holds int32 or int64 offsets).
+QSPEC_HOST_DEVICE int64_t d2t_target(const void* d2t, bool d2t_i64, int64_t d) {
+  return d + (d2t_i64 ? static_cast<const int64_t*>(d2t)[d] : static_cast<int64_t>(static_cast<const int32_t*>(d2t)[d]));
+}
+
+// The first draft id whose target id is >= target_id (draft_vocab if none). d2t maps draft
+// ids to strictly increasing target ids (the ops check it), so this is a binary search.
+QSPEC_HOST_DEVICE int64_t d2t_lower_bound(const void* d2t, bool d2t_i64, int64_t draft_vocab, int64_t target_id) {
+  int64_t lo = 0, hi = draft_vocab;
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (d2t_target(d2t, d2t_i64, mid) < target_id) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+// The draft id d with d + d2t[d] == target_id, or -1 (outside the draft vocabulary).
+QSPEC_HOST_DEVICE int64_t draft_index_of(const void* d2t, bool d2t_i64, int64_t draft_vocab, int64_t target_id) {
+  const int64_t d = d2t_lower_bound(d2t, d2t_i64, draft_vocab, target_id);
+  return d < draft_vocab && d2t_target(d2t, d2t_i64, d) == target_id ? d : -1;
 }
 
 // A row gives a distribution only if it has a finite maximum (no NaN, not all -inf).
@@ -225,7 +299,7 @@ struct VerifyParams {
   const void* draft_probs;  // [B, K, Vq] fp32 or T, or nullptr (argmax drafts: q one-hot)
   bool probs_f32;
   int64_t probs_stride_b, probs_stride_i;
-  const void* d2t;  // [Vq] offsets: draft id d is target id d + d2t[d]; nullptr when Vq == V
+  const void* d2t;  // [Vq] offsets: draft id d is target id d + d2t[d], increasing; nullptr when Vq == V
   bool d2t_i64;
   const void* num_draft;  // [B] or nullptr (every request has K drafts)
   bool num_draft_i64;
@@ -233,7 +307,6 @@ struct VerifyParams {
   const int64_t* seed;       // [B]
   const int64_t* offset;     // [B]
   VerifyRowStats* rows;      // workspace [B, K+1]
-  float* q_dense;            // workspace [B, V] when d2t is given (q over target ids)
   int64_t* out_ids;          // [B, K+1]
   int64_t* num_accepted;     // [B]
   int64_t batch;
