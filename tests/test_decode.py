@@ -1,6 +1,8 @@
 """Targets and the speculative decode loop: lossless greedy, sampling distribution, stats, CLI."""
 
 import json
+import random
+from collections import Counter
 
 import pytest
 import torch
@@ -82,32 +84,54 @@ def test_qwen3_target_matches_transformers(tmp_path, tie):
     torch.testing.assert_close(final, expected.hidden_states[LAYERS][0], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("k", range(1, 8))
-def test_greedy_is_lossless_builtin_target(hf_dir, k):
-    target = Qwen3Target.from_pretrained(hf_dir, aux_layer_ids=AUX)
-    drafter = make_drafter(fc_norm=k % 2 == 0, norm_output=k % 3 == 0)
-    plain = generate_plain(target, PROMPTS, 24)
-    spec = SpeculativeDecoder(target, drafter, k).generate(PROMPTS, 24)
-    assert spec.tokens == plain.tokens
-    single = SpeculativeDecoder(target, drafter, k).generate(PROMPTS[:1], 24)
-    assert single.tokens == plain.tokens[:1]
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+    {"rope_type": "linear", "factor": 2.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 32},
+])
+def test_qwen3_target_with_rope_scaling_matches_transformers(tmp_path, scaling):
+    """RoPE scaling end to end (inverse frequencies and yarn's attention factor) against
+    transformers' own model, at positions past the original context."""
+    config = hf_config()
+    config.rope_parameters = {"rope_theta": 10000.0, **scaling}
+    torch.manual_seed(0)
+    hf = transformers.Qwen3ForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path)
+    target = Qwen3Target.from_pretrained(tmp_path, aux_layer_ids=AUX)
+    tokens = torch.randint(0, VOCAB, (1, 80))
+    target.setup(1, 96)
+    logits = target(tokens, torch.arange(80)[None])
+    with torch.no_grad():
+        expected = hf(tokens).logits
+    torch.testing.assert_close(logits, expected, atol=2e-4, rtol=2e-4)
 
 
-@pytest.mark.parametrize("k", [1, 4, 7])
-def test_greedy_is_lossless_hf_target(hf_dir, k):
-    hf = transformers.Qwen3ForCausalLM.from_pretrained(hf_dir).eval()
-    drafter = make_drafter(draft_vocab=60)
-    plain = generate_plain(Qwen3Target.from_pretrained(hf_dir, aux_layer_ids=AUX), PROMPTS, 16)
-    spec = SpeculativeDecoder(HFTarget(hf, AUX), drafter, k).generate(PROMPTS, 16)
-    assert spec.tokens == plain.tokens
+def test_rope_table_matches_transformers_init_functions():
+    """The cos/sin table against one built here from transformers' inverse frequencies and
+    attention factor (the kernels and the reference both read rope_cos_sin_cache's table)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    config = transformers.LlamaConfig(hidden_size=128, num_attention_heads=2, max_position_embeddings=512,
+                                      rope_parameters={"rope_theta": 10000.0, **scaling})
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    angles = torch.arange(300, dtype=torch.float64)[:, None] * inv_freq.double()[None]
+    expected = torch.cat([angles.cos(), angles.sin()], -1) * factor
+    ours = qspec_ext.rope_cos_sin_cache(300, 64, 10000.0, torch.float64, scaling=scaling)
+    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)  # transformers keeps inv_freq in fp32
+    assert factor > 1.1, "yarn scales cos and sin"
 
 
 class OracleDrafter:
-    """Drafts exactly what the target will say (its plain greedy continuation)."""
+    """Drafts what the target will say (its plain greedy continuation), each draft replaced by a
+    wrong token with probability error_rate: mostly accepted, rejected at random positions."""
 
-    def __init__(self, drafter, continuations, prompt_lengths):
+    def __init__(self, drafter, continuations, prompt_lengths, error_rate=0.0, seed=0):
         self.inner, self.config, self.fc = drafter, drafter.config, drafter.fc
         self.continuations, self.lengths = continuations, prompt_lengths
+        self.error_rate, self.rng = error_rate, random.Random(seed)
+        self.calls: list[list[tuple[int, list[int]]]] = []  # per draft call: (continuation index, drafts) per request
 
     def fc_norm_mode(self):
         return self.inner.fc_norm_mode()
@@ -123,9 +147,66 @@ class OracleDrafter:
         rows = []
         for b, s in enumerate(newest):
             offset = max(s + 1 - self.lengths[b], 0)  # continuation index of the first draft
-            cont = self.continuations[b] + [0] * 64
-            rows.append(cont[offset : offset + k])
+            row = (self.continuations[b] + [0] * 64)[offset : offset + k]
+            for i, token in enumerate(row):
+                if self.rng.random() < self.error_rate:
+                    row[i] = (token + 1 + self.rng.randrange(self.config.vocab_size - 1)) % self.config.vocab_size
+            rows.append(row)
+        self.calls.append([(max(s + 1 - self.lengths[b], 0), row) for b, (s, row) in enumerate(zip(newest, rows))])
         return torch.tensor(rows), None
+
+
+def expected_acceptance_length(k, error_rate):
+    return 1 + sum((1 - error_rate) ** i for i in range(1, k + 1))
+
+
+def check_noisy_oracle(target, k, prompts, error_rate=0.3, new_tokens=24, seed=0):
+    """Greedy speculative output == plain output with a drafter that is right most of the time,
+    and the acceptance it measures is what the injected errors allow."""
+    plain = generate_plain(target, prompts, new_tokens + k + 1)
+    oracle = OracleDrafter(make_drafter(), plain.tokens, [len(p) for p in prompts], error_rate, seed)
+    spec = SpeculativeDecoder(target, oracle, k).generate(prompts, new_tokens)
+    assert spec.tokens == [t[:new_tokens] for t in plain.tokens]
+    expected = expected_acceptance_length(k, error_rate)
+    # The last step of each request may be cut by max_new_tokens: allow for sampling noise.
+    assert abs(spec.stats.mean_acceptance_length - expected) < 0.25 * expected, (spec.stats.mean_acceptance_length, expected)
+    assert 0 < spec.stats.num_accepted_tokens < spec.stats.num_draft_tokens
+
+
+@pytest.mark.parametrize("k", range(1, 8))
+@pytest.mark.parametrize("batch", [1, 5])
+def test_greedy_is_lossless_builtin_target(hf_dir, k, batch):
+    target = Qwen3Target.from_pretrained(hf_dir, aux_layer_ids=AUX)
+    prompts = PROMPTS[:batch]
+    check_noisy_oracle(target, k, prompts, seed=k)
+    drafter = make_drafter(fc_norm=k % 2 == 0, norm_output=k % 3 == 0)  # a random drafter: rejections
+    assert SpeculativeDecoder(target, drafter, k).generate(prompts, 24).tokens == generate_plain(target, prompts, 24).tokens
+
+
+@pytest.mark.parametrize("k", range(1, 8))
+@pytest.mark.parametrize("batch", [1, 5])
+def test_greedy_is_lossless_hf_target(hf_dir, k, batch):
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(hf_dir).eval()
+    check_noisy_oracle(HFTarget(hf, AUX), k, PROMPTS[:batch], new_tokens=16, seed=k)
+
+
+def test_greedy_is_lossless_hf_target_with_a_draft_vocabulary(hf_dir):
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(hf_dir).eval()
+    plain = generate_plain(Qwen3Target.from_pretrained(hf_dir, aux_layer_ids=AUX), PROMPTS, 16)
+    assert SpeculativeDecoder(HFTarget(hf, AUX), make_drafter(draft_vocab=60), 4).generate(PROMPTS, 16).tokens == plain.tokens
+
+
+def test_eos_inside_an_accepted_run_stops_there(hf_dir):
+    """The oracle's drafts are all accepted, so EOS arrives in the middle of an accepted run."""
+    target = Qwen3Target.from_pretrained(hf_dir, aux_layer_ids=AUX)
+    plain = generate_plain(target, PROMPTS, 40)
+    oracle = OracleDrafter(make_drafter(), plain.tokens, [len(p) for p in PROMPTS])
+    eos = plain.tokens[0][6]
+    spec = SpeculativeDecoder(target, oracle, 5).generate(PROMPTS, 30, eos_token_id=eos)
+    for tokens, full in zip(spec.tokens, plain.tokens):
+        full = full[:30]
+        assert tokens == (full[: full.index(eos) + 1] if eos in full else full)
+    assert spec.tokens[0][-1] == eos and len(spec.tokens[0]) <= 7
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
@@ -140,17 +221,38 @@ def test_stats_of_a_drafter_that_copies_the_target(hf_dir, k):
     assert spec.stats.num_accepted_tokens == spec.stats.num_draft_tokens
 
 
-def test_stats_are_consistent(hf_dir):
+def test_stats_count_what_was_accepted(hf_dir):
+    """One request, a drafter that errs at random: the stats equal a recount from the drafts
+    (greedy verification keeps the drafts that match the plain continuation)."""
+    target = Qwen3Target.from_pretrained(hf_dir, aux_layer_ids=AUX)
+    k, new_tokens = 4, 40
+    plain = generate_plain(target, PROMPTS[:1], new_tokens + k + 1)
+    oracle = OracleDrafter(make_drafter(), plain.tokens, [len(PROMPTS[0])], error_rate=0.3, seed=5)
+    s = SpeculativeDecoder(target, oracle, k).generate(PROMPTS[:1], new_tokens).stats
+    continuation = plain.tokens[0]
+    matches = []
+    for [(offset, row)] in oracle.calls:
+        n = 0
+        while n < k and row[n] == continuation[offset + n]:
+            n += 1
+        matches.append(n)
+    assert s.num_drafts == len(oracle.calls) and s.num_draft_tokens == k * len(oracle.calls)
+    assert s.num_accepted_tokens == sum(matches)
+    assert s.accepted_per_position == [sum(m > i for m in matches) for i in range(k)]
+    assert s.acceptance_rate_per_position == [a / len(matches) for a in s.accepted_per_position]
+    assert s.mean_acceptance_length == 1 + sum(matches) / len(matches)
+    assert s.num_generated_tokens == new_tokens and s.tokens_per_second > 0
+    assert 0 < sum(matches) < k * len(matches)
+
+
+def test_sampled_stats_are_consistent(hf_dir):
     target = Qwen3Target.from_pretrained(hf_dir, aux_layer_ids=AUX)
     spec = SpeculativeDecoder(target, make_drafter(), 4).generate(PROMPTS, 20, temperature=0.9, seed=3)
     s = spec.stats
-    assert s.num_draft_tokens == 4 * s.num_drafts
-    assert 0 <= s.num_accepted_tokens <= s.num_draft_tokens
     rates = s.acceptance_rate_per_position
     assert all(a >= b for a, b in zip(rates, rates[1:])), "acceptance at position i+1 needs acceptance at i"
-    assert s.mean_acceptance_length == pytest.approx(1 + s.num_accepted_tokens / s.num_drafts)
+    assert s.num_accepted_tokens == sum(s.accepted_per_position)
     assert s.num_generated_tokens == sum(map(len, spec.tokens)) == 20 * len(PROMPTS)
-    assert s.tokens_per_second > 0
 
 
 def test_eos_and_limits(hf_dir):
@@ -167,27 +269,57 @@ def test_eos_and_limits(hf_dir):
         SpeculativeDecoder(Qwen3Target.from_pretrained(hf_dir, aux_layer_ids=[1, 3]), make_drafter(), 3)
 
 
-def test_sampling_follows_the_target_distribution(tmp_path):
-    """Over many seeds, the first two generated tokens follow the target-only distribution."""
-    vocab, prompt, n = 8, [1, 2, 3], 3000
-    hf = make_hf(vocab=vocab, seed=4, scale=20.0)  # sharper than random init, far from the drafter
+def filtered_distribution(logits, temperature, top_k, top_p):
+    """The target's sampling distribution, written independently of qspec_ext.sampling: softmax of
+    logits / temperature over the top-k tokens, then the smallest most likely set reaching top_p."""
+    x = logits.double() / temperature
+    if top_k is not None:
+        x = torch.where(x >= x.sort(descending=True).values[top_k - 1], x, float("-inf"))
+    if top_p is not None:
+        probs = torch.softmax(x, -1)
+        ranked = probs.sort(descending=True).values
+        last = int((ranked.cumsum(0) >= top_p).nonzero()[0])
+        x = torch.where(probs >= ranked[last], x, float("-inf"))
+    return torch.softmax(x, -1)
+
+
+def chi_square_pvalue(observed, expected):
+    """Cells expected below 5 are pooled into one."""
+    big = expected >= 5
+    obs, exp = observed[big], expected[big]
+    if not big.all():
+        obs, exp = torch.cat([obs, observed[~big].sum().view(1)]), torch.cat([exp, expected[~big].sum().view(1)])
+    stat = ((obs - exp) ** 2 / exp).sum()
+    return float(torch.special.gammaincc(torch.tensor((len(exp) - 1) / 2.0, dtype=torch.float64), stat / 2))
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.5, 3, None), (1.3, None, 0.8), (1.3, 4, 0.9), (1.0, None, None)])
+def test_sampling_follows_the_target_distribution(tmp_path, temperature, top_k, top_p):
+    """Over many seeds, the first four generated tokens (several verify steps, bonus tokens
+    included) follow the target's own filtered distribution, jointly."""
+    vocab, prompt, n, length, k = 6, [1, 2, 3], 4000, 4, 2
+    hf = make_hf(vocab=vocab, seed=4, scale=4.0)  # sharper than random init, far from the drafter
     hf.save_pretrained(tmp_path)
     target = Qwen3Target.from_pretrained(tmp_path, aux_layer_ids=AUX)
-    with torch.no_grad():
-        p0 = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1].double(), -1)
-        p1 = torch.stack([torch.softmax(hf(torch.tensor([prompt + [t]])).logits[0, -1].double(), -1) for t in range(vocab)])
-    joint = (p0[:, None] * p1).flatten()
-    spec = SpeculativeDecoder(target, make_drafter(vocab=vocab), 2).generate([prompt] * n, 2, temperature=1.0, seed=7)
-    pairs = torch.tensor([t[0] * vocab + t[1] for t in spec.tokens])
-    observed = torch.bincount(pairs, minlength=vocab * vocab).double()
-    expected = joint * n
-    big = expected >= 5
-    obs = torch.cat([observed[big], observed[~big].sum().view(1)])
-    exp = torch.cat([expected[big], expected[~big].sum().view(1)])
-    stat = ((obs - exp) ** 2 / exp).sum()
-    p_value = float(torch.special.gammaincc(torch.tensor((len(exp) - 1) / 2.0, dtype=torch.float64), stat / 2))
-    assert p_value > 1e-3, f"chi-square p-value {p_value:.2e}"
-    assert spec.stats.num_accepted_tokens > 0, "some drafts must be accepted for this test to test verification"
+    law = {(): 1.0}  # probability of every continuation of up to `length` tokens with positive mass
+    for _ in range(length):
+        prefixes = list(law)
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + list(c) for c in prefixes])).logits[:, -1]
+        law = {c + (t,): law[c] * float(q[t]) for c, row in zip(prefixes, logits)
+               for q in [filtered_distribution(row, temperature, top_k, top_p)] for t in range(vocab) if q[t] > 0}
+    spec = SpeculativeDecoder(target, make_drafter(vocab=vocab), k).generate(
+        [prompt] * n, length, temperature=temperature, top_k=top_k, top_p=top_p, seed=7)
+    sequences = [tuple(t) for t in spec.tokens]
+    assert all(s in law for s in sequences), "a token outside the filtered distribution was emitted"
+    cells = list(law)
+    counts = Counter(sequences)
+    observed = torch.tensor([float(counts[c]) for c in cells], dtype=torch.float64)
+    expected = torch.tensor([law[c] for c in cells], dtype=torch.float64) * n
+    p_value = chi_square_pvalue(observed, expected)
+    assert p_value > 1e-3, f"chi-square p-value {p_value:.2e} over {len(cells)} continuations"
+    assert spec.stats.num_drafts > n, "several verify steps per request"
+    assert spec.stats.accepted_per_position[k - 1] > 0, "some steps accepted every draft and drew a bonus token"
 
 
 # ----------------------------------------------------------------------------- command line
@@ -235,11 +367,11 @@ def test_cli_bench(cli_dirs, capsys, tmp_path):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_cli_missing_tokenizer(tmp_path, cli_dirs):
+def test_cli_missing_tokenizer(tmp_path, cli_dirs, capsys):
     _, draft, _ = cli_dirs
     make_hf().save_pretrained(tmp_path)
-    with pytest.raises(SystemExit, match="tokenizer.json not found"):
-        qspec_main(["generate", "--target", str(tmp_path), "--draft", str(draft), "--prompt", "x"])
+    assert qspec_main(["generate", "--target", str(tmp_path), "--draft", str(draft), "--prompt", "x"]) == 2
+    assert f"qspec generate: error: {tmp_path / 'tokenizer.json'} not found" in capsys.readouterr().err
 
 
 def test_bad_target_checkpoint(tmp_path):

@@ -3,6 +3,7 @@ checkpoint formats, and bad checkpoints."""
 
 import itertools
 import json
+import logging
 import math
 import types
 
@@ -102,7 +103,8 @@ def test_kernel_path_bf16_close_to_fp32():
     data = inputs(2, 6, config)
     logits32 = run(ref_model, 2, *data)[0]
     logits16 = run(bf16, 2, data[0].bfloat16(), data[1], data[2])[0]
-    assert (logits16.float() - logits32).abs().max() < 0.1 * logits32.abs().max()
+    # Measured: about 1% of the largest logit (bf16 weights and activations); 2x that is the bound.
+    assert (logits16.float() - logits32).abs().max() < 0.02 * logits32.abs().max()
 
 
 # ----------------------------------------------------------------------------- independent implementation
@@ -160,7 +162,8 @@ def naive_pairs(sd, c: Eagle3Config, x, tokens):
 
 
 def naive_prefill_and_draft(sd, c: Eagle3Config, features, tokens, k):
-    """One request: pairs (features, tokens), then k greedy drafts fed back by recomputation."""
+    """One request: pairs (features, tokens), then k greedy drafts fed back by recomputation;
+    returns the prefill logits, the drafts and the distributions they were taken from."""
     H_ = c.hidden_size
     g = features.float()
     if c.fc_norm:
@@ -172,8 +175,9 @@ def naive_prefill_and_draft(sd, c: Eagle3Config, features, tokens, k):
     logits, h, z = naive_pairs(sd, c, torch.stack(xs), torch.stack(toks))
     prefill_logits = logits
     d2t = sd.get("d2t")
-    drafts = []
+    drafts, distributions = [], []
     for step in range(k):
+        distributions.append(torch.exp(logits[-1] - torch.logsumexp(logits[-1], 0)))
         d = int(logits[-1].argmax())
         target_id = d + int(d2t[d]) if d2t is not None else d
         drafts.append(target_id)
@@ -181,7 +185,7 @@ def naive_prefill_and_draft(sd, c: Eagle3Config, features, tokens, k):
             xs.append(z[-1] if c.norm_output else h[-1])
             toks.append(torch.tensor(target_id))
             logits, h, z = naive_pairs(sd, c, torch.stack(xs), torch.stack(toks))
-    return prefill_logits, drafts
+    return prefill_logits, drafts, torch.stack(distributions)
 
 
 @pytest.mark.parametrize(
@@ -196,11 +200,12 @@ def test_reference_path_equals_independent_implementation(arch, layers, flags):
     model = random_drafter(config, use_custom_ops=False)
     sd = {k: v.float() if v.is_floating_point() else v for k, v in model.state_dict().items()}
     features, tokens, positions = inputs(2, 6, config)
-    logits, drafts, _ = run(model, 2, features, tokens, positions, k=5)
+    logits, drafts, probs = run(model, 2, features, tokens, positions, k=5)
     for b in range(2):
-        expected_logits, expected_drafts = naive_prefill_and_draft(sd, config, features[b], tokens[b], 5)
+        expected_logits, expected_drafts, expected_probs = naive_prefill_and_draft(sd, config, features[b], tokens[b], 5)
         torch.testing.assert_close(logits[b], expected_logits, atol=1e-4, rtol=1e-4)
         assert drafts[b].tolist() == expected_drafts
+        torch.testing.assert_close(probs[b], expected_probs, atol=1e-5, rtol=1e-4)
 
 
 def test_rollback_is_moving_positions():
@@ -314,6 +319,31 @@ def test_save_load_round_trip(tmp_path):
     assert torch.equal(logits_of(loaded), logits_of(model))
     for key, value in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], value), key
+
+
+def test_missing_speculators_flags_default_to_false_and_are_logged(tmp_path, caplog):
+    """A config without the four flags loads as the speculators class defaults (all False),
+    including norm_output and norm_before_residual (vLLM would assume True for the latter)."""
+    model = random_drafter(make_config("qwen3"))
+    write_speculators(tmp_path, model)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
+        cfg.pop(flag)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with caplog.at_level(logging.INFO, logger="qspec_ext.models.eagle3"):
+        loaded = Eagle3Drafter.from_pretrained(tmp_path)
+    c = loaded.config
+    assert (c.norm_before_residual, c.norm_before_fc, c.fc_norm, c.norm_output) == (False, False, False, False)
+    assert "missing, assumed False" in caplog.text and "norm_output" in caplog.text
+
+
+def test_unsorted_draft_vocabulary_is_a_checkpoint_error(tmp_path):
+    model = random_drafter(make_config("qwen3", draft_vocab=10))
+    with torch.no_grad():
+        model.d2t[3], model.d2t[4] = model.d2t[4] + 1, model.d2t[3] - 1  # draft ids 3 and 4 swap targets
+    write_speculators(tmp_path, model)
+    with pytest.raises(CheckpointError, match=r"model.safetensors: d2t must map draft ids to strictly increasing target ids"):
+        Eagle3Drafter.from_pretrained(tmp_path)
 
 
 def test_load_casts_dtype(tmp_path):

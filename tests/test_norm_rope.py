@@ -421,12 +421,12 @@ def test_launch_sizes_are_checked_on_the_host():
         qspec_ext.rms_norm(rows, torch.ones(8))
     with pytest.raises(RuntimeError, match=r"qspec_ext\.eagle3_input_norm: argument 'embeds' is too large: its number of rows = 2147483648"):
         qspec_ext.eagle3_input_norm(rows, rows, torch.ones(8), torch.ones(8))
-    wide = torch.zeros(1).expand(2**30 + 1)
-    with pytest.raises(RuntimeError, match=r"qspec_ext\.rms_norm: argument 'input' must have rows of at most 1073741824 elements, got 1073741825"):
-        qspec_ext.rms_norm(wide, torch.zeros(1).expand(2**30 + 1))
+    heads = 2**21 + 1  # (heads + 2) * head_dim elements per row would pass 2^30 at head_dim 512
+    with pytest.raises(RuntimeError, match=r"qspec_ext\.qk_norm_rope_: argument 'num_heads_q/num_heads_kv' must have num_heads_q \+ 2 \* num_heads_kv at most 2097152, got 2097155"):
+        qspec_ext.qk_norm_rope_(torch.zeros(1, (heads + 2) * 2), None, None, torch.zeros(4, 2), torch.zeros(1, dtype=torch.long), heads, 1, 2)
     batch = 2**31 // 33 + 1
     drafts = torch.zeros(1, 32, dtype=torch.long).expand(batch, 32)
-    with pytest.raises(RuntimeError, match=r"qspec_ext\.verify_greedy: argument 'draft_ids' is too large: batch \* \(num_draft_tokens \+ 1\) \(one block per target row\) = 2147483661 exceeds 2147483647"):
+    with pytest.raises(RuntimeError, match=rf"qspec_ext\.verify_greedy: argument 'draft_ids' is too large: batch \* \(num_draft_tokens \+ 1\) \(one block per target row\) = {batch * 33} exceeds 2147483647"):
         qspec_ext.verify_greedy(drafts, torch.zeros(1, 33, 4).expand(batch, 33, 4))
 
 
@@ -456,6 +456,19 @@ def test_cuda_out_of_range_index_fails_loudly(bad):
         torch.cuda.synchronize()
     """
     assert_cuda_script_fails_with(script, f"qspec_ext.qk_norm_rope_: {bad}[")
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs a CUDA device")
+@pytest.mark.parametrize("is_neox", [True, False])
+def test_rope_without_norm_is_bit_identical_on_cpu_and_cuda(is_neox):
+    """RoPE alone rounds every product and sum explicitly on both devices: the same bits."""
+    qkv = torch.randn(37, (8 + 2 * 2) * 128)
+    cache = qspec_ext.rope_cos_sin_cache(4096, 96, theta=10000.0)
+    positions = torch.randint(0, 4096, (37,))
+    on_cuda = qkv.cuda()
+    qspec_ext.qk_norm_rope_(qkv, None, None, cache, positions, 8, 2, 128, 1e-6, is_neox)
+    qspec_ext.qk_norm_rope_(on_cuda, None, None, cache.cuda(), positions.cuda(), 8, 2, 128, 1e-6, is_neox)
+    assert torch.equal(qkv, on_cuda.cpu())
 
 
 def test_build_info():

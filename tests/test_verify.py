@@ -118,8 +118,11 @@ def test_sampling_matches_reference(device, q_kind, dtype):
 
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs a CUDA device")
 @pytest.mark.parametrize("q_kind", ["onehot", "full", "d2t"])
-def test_sampling_cpu_equals_cuda(q_kind):
-    case = sampling_case(64, 7, 32000, torch.bfloat16, q_kind, seed=11, draft_vocab=4000)
+@pytest.mark.parametrize("vocab,dtype", [(32000, torch.bfloat16), (151936, torch.float32), (1000, torch.float16), (77, torch.float32)])
+def test_sampling_cpu_equals_cuda(q_kind, vocab, dtype):
+    """CPU and CUDA share the per-element math and the summation order: every decision and
+    every draw is the same, token for token."""
+    case = sampling_case(64, 7, vocab, dtype, q_kind, seed=11, draft_vocab=min(4000, vocab // 2))
     cpu = qspec_ext.verify_sampling(**case)
     gpu = qspec_ext.verify_sampling(**to_device(case, "cuda"))
     assert torch.equal(cpu[0], gpu[0].cpu()) and torch.equal(cpu[1], gpu[1].cpu())
@@ -221,6 +224,7 @@ def test_emitted_tokens_follow_the_target_distribution(device, q_kind, temperatu
     if q_kind != "onehot":
         kept = kept & (drafts[:, 0] == out[:, 0])
     second = out[kept, 1]
+    assert len(second) > SEEDS // 20, "too few kept first drafts for the test to have power"
     assert chi_square_pvalue(torch.bincount(second, minlength=vocab), p[1]) > 1e-3
     # Acceptance of the first draft matches sum_x min(p, q).
     rate = (accepted >= 1).double().mean().item()
@@ -271,8 +275,9 @@ def test_nan_and_inf_rows_do_not_crash(device):
     out, accepted = out.cpu(), accepted.cpu()
     # A row without a distribution rejects its draft and emits torch.argmax of the row.
     assert out[0].tolist() == [2, -1, -1] and accepted[0] == 0
-    assert accepted[1] <= 1 and (accepted[1] == 0 or out[1, 1] == 0)
     assert out[2].tolist() == [0, -1, -1] and accepted[2] == 0
+    expected = ref.verify_sampling(drafts, None, logits, torch.ones(3), torch.arange(3), torch.zeros(3, dtype=torch.long))
+    assert torch.equal(out, expected[0]) and torch.equal(accepted, expected[1])
 
 
 # ----------------------------------------------------------------------------- opcheck, compile, top-k/top-p

@@ -12,7 +12,12 @@ from functools import partial
 
 from .decode import SpeculativeDecoder, generate_plain, in_batches
 from .models import Eagle3Drafter, HFTarget, Qwen3Target
-from .models.checkpoint import read_config
+from .models.checkpoint import CheckpointError, read_config
+
+# What a user can fix: printed as one line (`qspec <command>: error: ...`, exit 2), with the
+# traceback only under --debug. Anything else is a bug and keeps its traceback.
+EXPECTED_ERRORS = (CheckpointError, ValueError, TypeError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
+                   PermissionError)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -38,7 +43,7 @@ def load_tokenizer(target_dir: str):
 
     path = Path(target_dir) / "tokenizer.json"
     if not path.is_file():
-        sys.exit(f"qspec: {path} not found: the target directory needs a tokenizer.json")
+        raise FileNotFoundError(f"{path} not found: the target directory needs a tokenizer.json")
     return Tokenizer.from_file(str(path))
 
 
@@ -59,7 +64,7 @@ def resolve_models(args) -> None:
         args.target = args.target or str(DEMO_DIR / "target")
         args.draft = args.draft or str(DEMO_DIR / "draft")
     if args.target is None or args.draft is None:
-        sys.exit("qspec: --target and --draft are required (or --demo N for the shipped pair)")
+        raise ValueError("--target and --draft are required (or --demo N for the shipped pair)")
 
 
 def read_prompts(args) -> list[str]:
@@ -72,7 +77,7 @@ def read_prompts(args) -> list[str]:
     lines = [line.rstrip("\n") for line in Path(args.prompts).read_text().splitlines()]
     prompts = [line for line in lines if line.strip()]
     if not prompts:
-        sys.exit(f"qspec: {args.prompts} holds no prompts (one per line)")
+        raise ValueError(f"{args.prompts} holds no prompts (one per line)")
     return prompts
 
 
@@ -175,8 +180,8 @@ def plot_acceptance(rows: list[dict], path: str) -> None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError:
-        sys.exit("qspec bench --plot needs matplotlib: pip install matplotlib")
+    except ImportError as e:
+        raise ValueError("--plot needs matplotlib: pip install matplotlib") from e
     ks = [r["k"] for r in rows]
     fig, ax = plt.subplots(figsize=(5, 3.5))
     ax.plot(ks, [r["mean_acceptance_length"] for r in rows], marker="o", label="mean acceptance length")
@@ -211,6 +216,7 @@ def cmd_train_drafter(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qspec", description="EAGLE-3 speculative decoding with qspec_ext")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="generate text with speculative decoding")
     add_model_args(gen)
@@ -245,7 +251,13 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     train.set_defaults(run=cmd_train_drafter)
     args = parser.parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except EXPECTED_ERRORS as e:
+        if args.debug:
+            raise
+        print(f"qspec {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

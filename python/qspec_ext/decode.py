@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .arguments import check_int, check_pair, check_prompts, check_sampling
 from .ops import verify_greedy, verify_sampling
 from .sampling import apply_top_k_top_p
 
@@ -95,15 +96,25 @@ class _Sampler:
         return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, self.generators)])
 
 
-def _check_prompts(prompts: list[list[int]], max_new_tokens: int, extra: int, max_length: int) -> None:
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("generate: prompts must be non-empty lists of token ids")
+def _check_call(where: str, target, prompts, max_new_tokens: int, extra: int, max_length: int | None,
+                temperature, top_k, top_p, eos_token_id, seed) -> tuple[list[list[int]], int]:
+    """The arguments of one generate call, checked before any work: the prompts as lists, and
+    the cache length (just enough when max_length is None)."""
+    vocab = target.config.vocab_size
+    prompts = check_prompts(where, prompts, vocab)
+    check_sampling(where, vocab, max_new_tokens, temperature, top_k, top_p, eos_token_id, seed)
     longest = max(len(p) for p in prompts)
+    max_length = max_length or longest + max_new_tokens + extra
     if longest + max_new_tokens + extra > max_length:
         raise ValueError(
-            f"generate: a prompt of {longest} tokens + max_new_tokens={max_new_tokens} (+{extra} for drafts) "
+            f"{where}: a prompt of {longest} tokens + max_new_tokens={max_new_tokens} (+{extra} for drafts) "
             f"does not fit the cache of {max_length} positions"
         )
+    return prompts, max_length
+
+
+def _nothing_to_generate(prompts: list[list[int]]) -> "GenerateResult":
+    return GenerateResult([[] for _ in prompts], SpecDecodeStats())
 
 
 def _prefill_inputs(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,9 +141,11 @@ def generate_plain(target, prompts: list[list[int]], max_new_tokens: int, temper
                    top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
                    seed: int = 0, max_length: int | None = None) -> GenerateResult:
     """Ordinary decoding with the target alone (one forward per token): the baseline."""
+    prompts, max_length = _check_call("generate_plain", target, prompts, max_new_tokens, 1, max_length,
+                                      temperature, top_k, top_p, eos_token_id, seed)
+    if max_new_tokens == 0:
+        return _nothing_to_generate(prompts)
     device = target.lm_head.weight.device if hasattr(target, "lm_head") else next(target.parameters()).device
-    max_length = max_length or max(len(p) for p in prompts) + max_new_tokens + 1
-    _check_prompts(prompts, max_new_tokens, 1, max_length)
     start = time.perf_counter()
     batch = len(prompts)
     target.setup(batch, max_length)
@@ -158,13 +171,10 @@ class SpeculativeDecoder:
     """EAGLE-3 speculative decoding of a target (Qwen3Target or HFTarget) with an Eagle3Drafter."""
 
     def __init__(self, target, drafter, num_speculative_tokens: int = 3, max_length: int | None = None):
-        if not 1 <= num_speculative_tokens <= 32:
-            raise ValueError(f"SpeculativeDecoder: num_speculative_tokens must be in [1, 32], got {num_speculative_tokens}")
-        if len(target.aux_layer_ids) != drafter.config.num_aux:
-            raise ValueError(
-                f"SpeculativeDecoder: the target exposes {len(target.aux_layer_ids)} aux layers "
-                f"{target.aux_layer_ids}, the drafter's fc takes {drafter.config.num_aux}"
-            )
+        check_int("SpeculativeDecoder", "num_speculative_tokens", num_speculative_tokens, 1, 32)
+        if max_length is not None:
+            check_int("SpeculativeDecoder", "max_length", max_length, 2)
+        check_pair(target, drafter)
         self.target, self.drafter, self.k = target, drafter, num_speculative_tokens
         self.max_length = max_length or target.config.max_position_embeddings
 
@@ -175,7 +185,10 @@ class SpeculativeDecoder:
         k, target, drafter = self.k, self.target, self.drafter
         # A request's last step may accept k drafts past max_new_tokens, and the drafter then
         # drafts k - 1 more positions: the caches hold 2k positions beyond the new tokens.
-        _check_prompts(prompts, max_new_tokens, 2 * k, self.max_length)
+        prompts, _ = _check_call("SpeculativeDecoder.generate", target, prompts, max_new_tokens, 2 * k,
+                                 self.max_length, temperature, top_k, top_p, eos_token_id, seed)
+        if max_new_tokens == 0:
+            return _nothing_to_generate(prompts)
         device = drafter.fc.weight.device
         start = time.perf_counter()
         batch = len(prompts)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from . import reference
+from .arguments import check_float, check_int
 from .aux import default_aux_layer_ids
 from .models import Eagle3Config, Eagle3Drafter
 from .rope import rope_cos_sin_cache
@@ -36,6 +37,19 @@ class TrainConfig:
     lr: float = 2e-3
     seed: int = 0
     intermediate_size: int | None = None  # default: the target's
+
+
+def check_train_config(c: TrainConfig) -> None:
+    where = "train_drafter"
+    if not isinstance(c, TrainConfig):
+        raise TypeError(f"{where}: config must be a TrainConfig, got {type(c).__name__}")
+    for name, low in (("steps", 1), ("ttt_steps", 1), ("draft_vocab", 1), ("seq_len", 2), ("batch_size", 1), ("seed", 0)):
+        check_int(where, name, getattr(c, name), low)
+    if c.intermediate_size is not None:
+        check_int(where, "intermediate_size", c.intermediate_size, 1)
+    check_float(where, "lr", c.lr, 0.0, low_open=True)
+    if c.arch not in ("qwen3", "llama"):
+        raise ValueError(f"{where}: arch must be 'qwen3' or 'llama', got {c.arch!r}")
 
 
 def token_stream(tokenizer, files: list[Path]) -> list[int]:
@@ -154,6 +168,10 @@ def ttt_loss(model: Eagle3Drafter, target_ids, features, target_logits, ttt_step
 
 def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: str = "cpu", progress: bool = True):
     """Trains a drafter for the transformers causal LM in target_dir and writes it (speculators format)."""
+    check_train_config(config)
+    missing = [str(f) for f in data_files if not Path(f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"train_drafter: data files not found: {missing}")
     from tokenizers import Tokenizer
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
@@ -164,6 +182,8 @@ def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: 
     tc = target.config
     aux_ids = default_aux_layer_ids(tc.num_hidden_layers)
     stream = token_stream(tokenizer, [Path(f) for f in data_files])
+    if len(stream) <= config.seq_len:
+        raise ValueError(f"train_drafter: the data holds {len(stream)} tokens, fewer than seq_len + 1 = {config.seq_len + 1}")
     counts = Counter(stream)
     vocab_size = tc.vocab_size
     draft_vocab = min(config.draft_vocab, vocab_size)

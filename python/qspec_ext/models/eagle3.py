@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops, reference
+from ..arguments import check_load
 from ..rope import rope_cos_sin_cache
 from .checkpoint import CheckpointError, check_tensors, load_tensors, read_config, save_tensors
 from .layers import MLP, Attention, RMSNormWeight
@@ -216,6 +217,27 @@ class DraftState:
     max_next_position: int  # host copy of next_position.max(), so draft() needs no sync
 
 
+def check_vocab_mapping(file: Path, d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int) -> None:
+    """d2t must map the draft vocabulary to strictly increasing target ids in range (a sorted
+    draft vocabulary, as EAGLE-3 and speculators build it), and t2d must mark exactly those."""
+    targets = torch.arange(d2t.shape[0]) + d2t.long()
+    bad = ((targets < 0) | (targets >= vocab_size)).nonzero()
+    if len(bad):
+        d = int(bad[0])
+        raise CheckpointError(f"{file}: d2t maps draft id {d} to {int(targets[d])}, outside the target vocabulary [0, {vocab_size})")
+    repeats = (targets[1:] <= targets[:-1]).nonzero()
+    if len(repeats):
+        d = int(repeats[0]) + 1
+        raise CheckpointError(
+            f"{file}: d2t must map draft ids to strictly increasing target ids (a sorted draft vocabulary), "
+            f"got draft id {d - 1} -> {int(targets[d - 1])} and {d} -> {int(targets[d])}")
+    marked = torch.zeros(vocab_size, dtype=torch.bool)
+    marked[targets] = True
+    if not torch.equal(marked, t2d.bool()):
+        raise CheckpointError(f"{file}: t2d does not mark exactly the target ids that d2t maps to "
+                              f"({int(t2d.sum())} marked, {len(targets)} mapped)")
+
+
 class Eagle3Drafter(nn.Module):
     """An EAGLE-3 drafter; ``use_custom_ops=False`` runs the pure-PyTorch reference ops instead."""
 
@@ -366,6 +388,7 @@ class Eagle3Drafter(nn.Module):
         ``config.hidden_size``): lends ``embed_tokens`` when the checkpoint has none, and its
         hidden size must match the drafter's.
         """
+        check_load("Eagle3Drafter.from_pretrained", path, dtype, device)
         directory = Path(path)
         raw = read_config(directory)
         source = str(directory / "config.json")
@@ -396,6 +419,8 @@ class Eagle3Drafter(nn.Module):
                 f"{directory}: the checkpoint has no embed_tokens.weight; pass target= to borrow the target's embeddings"
             )
         check_tensors(directory, tensors, origin, expected, optional=("embed_tokens.weight",) if borrowed else ())
+        if "d2t" in tensors:
+            check_vocab_mapping(origin["d2t"], tensors["d2t"], tensors["t2d"], config.vocab_size)
         if borrowed:
             tensors["embed_tokens.weight"] = target.get_input_embeddings().weight
         model.load_state_dict(tensors, assign=True, strict=True)

@@ -11,6 +11,7 @@ import inspect
 import torch
 from torch import nn
 
+from ..arguments import check_aux_layer_ids
 from ..aux import AuxHiddenCapture, default_aux_layer_ids
 
 
@@ -19,7 +20,11 @@ class HFTarget(nn.Module):
         super().__init__()
         self.model = model.eval()
         decoder = model.model if hasattr(model, "model") else model
+        if not isinstance(getattr(decoder, "layers", None), nn.ModuleList):
+            raise ValueError(f"HFTarget: {type(model).__name__} has no decoder layers under model.model.layers")
         num_layers = len(decoder.layers)
+        if aux_layer_ids is not None:
+            check_aux_layer_ids("HFTarget", aux_layer_ids, num_layers)
         self.aux_layer_ids = list(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(num_layers)
         self._hooks = AuxHiddenCapture.attach(model, self.aux_layer_ids)
         self.capture = AuxHiddenCapture(self.aux_layer_ids)

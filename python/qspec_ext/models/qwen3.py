@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from .. import ops, reference
+from ..arguments import check_aux_layer_ids, check_load
 from ..aux import AuxHiddenCapture, default_aux_layer_ids
 from ..rope import rope_cos_sin_cache
 from .checkpoint import CheckpointError, check_tensors, load_tensors, read_config
@@ -86,10 +87,9 @@ class Qwen3Target(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        if aux_layer_ids is not None:
+            check_aux_layer_ids("Qwen3Target", aux_layer_ids, config.num_hidden_layers)
         ids = list(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(config.num_hidden_layers)
-        bad = [i for i in ids if not 0 <= i <= config.num_hidden_layers]
-        if bad:
-            raise ValueError(f"Qwen3Target: aux layer ids {bad} outside [0, {config.num_hidden_layers}]")
         self.aux_layer_ids = ids
         self.capture = AuxHiddenCapture(ids)
         self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -105,6 +105,7 @@ class Qwen3Target(nn.Module):
     @classmethod
     def from_pretrained(cls, path, dtype=None, device=None, aux_layer_ids=None, use_custom_ops: bool = True):
         """Loads a local HF Qwen3 directory (config.json + safetensors, sharded or not)."""
+        check_load("Qwen3Target.from_pretrained", path, dtype, device)
         directory = Path(path)
         config = Qwen3Config.from_hf(read_config(directory), str(directory / "config.json"))
         tensors, origin = load_tensors(directory)
