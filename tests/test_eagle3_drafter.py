@@ -161,16 +161,21 @@ def naive_pairs(sd, c: Eagle3Config, x, tokens):
     return z @ sd["lm_head.weight"].T, h, z
 
 
-def naive_prefill_and_draft(sd, c: Eagle3Config, features, tokens, k):
-    """One request: pairs (features, tokens), then k greedy drafts fed back by recomputation;
-    returns the prefill logits, the drafts and the distributions they were taken from."""
+def naive_fc(sd, c: Eagle3Config, features):
+    """features [T, n*H] -> fc outputs [T, H], normalized first as the flags say."""
     H_ = c.hidden_size
     g = features.float()
     if c.fc_norm:
         g = torch.cat([rms(g[:, i * H_ : (i + 1) * H_], sd[f"fc_norm.{i}.weight"], c.rms_norm_eps) for i in range(c.num_aux)], -1)
     if c.norm_before_fc:
         g = rms(g, sd["input_norm.weight"], c.rms_norm_eps)
-    xs = list(g @ sd["fc.weight"].T)
+    return g @ sd["fc.weight"].T
+
+
+def naive_prefill_and_draft(sd, c: Eagle3Config, features, tokens, k):
+    """One request: pairs (features, tokens), then k greedy drafts fed back by recomputation;
+    returns the prefill logits, the drafts and the distributions they were taken from."""
+    xs = list(naive_fc(sd, c, features))
     toks = list(tokens)
     logits, h, z = naive_pairs(sd, c, torch.stack(xs), torch.stack(toks))
     prefill_logits = logits

@@ -152,10 +152,11 @@ def cmd_bench(args) -> int:
             runs[k] = in_batches(SpeculativeDecoder(target, drafter, k).generate, prompts, args.batch_size, **common)
             bar.set_postfix(k=k, acceptance_length=f"{runs[k].stats.mean_acceptance_length:.2f}")
             bar.update()
+    drafting = "parallel" if drafter.config.parallel_drafting else "chain"
     rows = []
     for k, run in runs.items():
         s = run.stats
-        rows.append(dict(k=k, mean_acceptance_length=s.mean_acceptance_length,
+        rows.append(dict(k=k, drafting=drafting, mean_acceptance_length=s.mean_acceptance_length,
                          acceptance_per_position=s.acceptance_rate_per_position, tokens_per_second=s.tokens_per_second,
                          speedup=s.tokens_per_second / plain.stats.tokens_per_second,
                          identical_to_plain=run.tokens == plain.tokens if args.temperature == 0.0 else None))

@@ -57,6 +57,10 @@ class Eagle3Config:
     layer_types: list[str] | None = None  # "full_attention" | "sliding_attention" per layer
     sliding_window: int | None = None
     speculative_tokens: int = 3
+    # P-EAGLE: all k drafts in one forward; slots after the first hold mask_token_id and the
+    # learned fc input mask_hidden.
+    parallel_drafting: bool = False
+    mask_token_id: int | None = None
     extra: dict = field(default_factory=dict, repr=False)  # speculators fields kept for save_pretrained
 
     def __post_init__(self):
@@ -79,6 +83,11 @@ class Eagle3Config:
             raise ValueError(
                 f"Eagle3Config: {len(self.aux_layer_ids)} aux_layer_ids for num_aux={self.num_aux}"
             )
+        if self.parallel_drafting and not (
+                isinstance(self.mask_token_id, int) and 0 <= self.mask_token_id < self.vocab_size):
+            raise ValueError(
+                f"Eagle3Config: parallel drafting needs a mask_token_id in [0, vocab_size={self.vocab_size}), "
+                f"got {self.mask_token_id!r}")
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_hidden_layers:
                 raise ValueError("Eagle3Config: layer_types must have one entry per decoder layer")
@@ -109,6 +118,7 @@ class Eagle3Config:
         proposals = (cfg.get("speculators_config") or {}).get("proposal_methods") or [{}]
         return cls(
             **_layer_fields(layer, source),
+            **_parallel_fields(cfg, source, cfg.get("speculators_model_type") == "peagle"),
             arch=arch,
             vocab_size=int(layer["vocab_size"]),
             draft_vocab_size=int(cfg.get("draft_vocab_size", layer["vocab_size"])),
@@ -138,14 +148,16 @@ class Eagle3Config:
             layer["layer_types"] = self.layer_types
             layer["sliding_window"] = self.sliding_window
         speculators = self.extra.get("speculators_config") or {
-            "algorithm": "eagle3",
+            "algorithm": "peagle" if self.parallel_drafting else "eagle3",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": self.speculative_tokens}],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": None, "architectures": []},
         }
+        parallel = {"mask_token_id": self.mask_token_id} if self.parallel_drafting else {}
         return {
-            "speculators_model_type": "eagle3",
-            "architectures": ["Eagle3DraftModel"],
+            "speculators_model_type": "peagle" if self.parallel_drafting else "eagle3",
+            "architectures": ["PEagleDraftModel" if self.parallel_drafting else "Eagle3DraftModel"],
+            **parallel,
             "draft_vocab_size": self.draft_vocab_size,
             "eagle_aux_hidden_state_layer_ids": self.aux_layer_ids,
             "transformer_layer_config": layer,
@@ -163,11 +175,27 @@ class Eagle3Config:
         fields["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
         return cls(
             **fields,
+            **_parallel_fields(cfg, source, False),
             arch="llama",
             vocab_size=int(cfg["vocab_size"]),
             draft_vocab_size=int(cfg.get("draft_vocab_size", cfg["vocab_size"])),
             norm_before_residual=False,
         )
+
+
+MASK_TOKEN_KEYS = ("mask_token_id", "pard_token", "ptd_token_id")  # vLLM's native spellings, in its order
+
+
+def _parallel_fields(cfg: dict, source: str, peagle: bool) -> dict:
+    """P-EAGLE: speculators "peagle" configs, or native configs with parallel_drafting: true."""
+    if not (peagle or cfg.get("parallel_drafting")):
+        return {}
+    keys = ("mask_token_id",) if peagle else MASK_TOKEN_KEYS
+    mask = next((cfg[key] for key in keys if cfg.get(key) is not None), None)
+    if not isinstance(mask, int) or isinstance(mask, bool):
+        raise CheckpointError(f"{source}: a parallel-drafting (P-EAGLE) config needs a mask token id under "
+                              f"{' | '.join(keys)}, got {mask!r}")
+    return dict(parallel_drafting=True, mask_token_id=mask)
 
 
 def _layer_fields(layer: dict, source: str) -> dict:
@@ -254,6 +282,8 @@ class Eagle3Drafter(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(c, first=i == 0) for i in range(c.num_hidden_layers))
         self.norm = RMSNormWeight(c.hidden_size)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        if c.parallel_drafting:  # the raw fc input of every mask slot (normalized like aux features)
+            self.mask_hidden = nn.Parameter(torch.zeros(1, 1, c.num_aux * c.hidden_size))
         if c.draft_vocab_size < c.vocab_size:
             self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
             self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
@@ -356,28 +386,54 @@ class Eagle3Drafter(nn.Module):
         return logits
 
     @torch.no_grad()
-    def draft(self, k: int, return_probs: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def draft(self, k: int, return_probs: bool = False,
+              parallel: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """k greedy draft tokens per request (target-vocab ids ``[B, k]``) and, if asked, the
         draft distributions ``[B, k, Vd]`` they were taken from. Writes the drafts' K/V at the
-        positions after the last prefilled pair; the next prefill overwrites them."""
+        positions after the last prefilled pair; the next prefill overwrites them.
+
+        A chain drafter runs k - 1 sequential steps, each fed the previous draft; a P-EAGLE
+        drafter (``config.parallel_drafting``) runs one forward over k - 1 mask slots.
+        ``parallel`` (default: the drafter's kind) must match the drafter."""
+        c = self.config
+        parallel = c.parallel_drafting if parallel is None else parallel
+        if parallel != c.parallel_drafting:
+            kind = "a P-EAGLE (parallel) drafter" if c.parallel_drafting else "a chain EAGLE-3 drafter"
+            raise ValueError(f"Eagle3Drafter.draft: {'parallel' if parallel else 'chain'} drafting asked of {kind}")
         if self.state is None:
             raise RuntimeError("Eagle3Drafter.draft: call prefill first")
         if self.state.max_next_position + k - 1 > self.max_length:
             raise ValueError(
                 f"Eagle3Drafter.draft: {k} drafts from position {self.state.max_next_position} overrun the cache "
                 f"({self.max_length})")
+        logits = self.draft_parallel(k) if parallel else self.draft_chain(k)
+        drafts = self.draft_to_target(logits.argmax(dim=-1))
+        return drafts, torch.softmax(logits, dim=-1) if return_probs else None
+
+    def draft_chain(self, k: int) -> torch.Tensor:
+        """The logits [B, k, Vd] of k sequential draft steps."""
         logits, hidden, position = self.state.logits, self.state.hidden, self.state.next_position
-        tokens, probs = [], []
-        for step in range(k):
-            if return_probs:
-                probs.append(torch.softmax(logits.float(), dim=-1))
+        rows = [logits]
+        for _ in range(k - 1):
             token = self.draft_to_target(logits.argmax(dim=-1))
-            tokens.append(token)
-            if step + 1 < k:
-                step_logits, step_hidden = self.forward_pairs(
-                    hidden[:, None], token[:, None], position[:, None], from_features=False)
-                logits, hidden, position = step_logits[:, 0].float(), step_hidden[:, 0], position + 1
-        return torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if return_probs else None
+            step_logits, step_hidden = self.forward_pairs(
+                hidden[:, None], token[:, None], position[:, None], from_features=False)
+            logits, hidden, position = step_logits[:, 0].float(), step_hidden[:, 0], position + 1
+            rows.append(logits)
+        return torch.stack(rows, dim=1)
+
+    def draft_parallel(self, k: int) -> torch.Tensor:
+        """The logits [B, k, Vd] of one P-EAGLE forward: the last prefilled pair gives draft 1,
+        mask slots at the k - 1 next positions give drafts 2..k."""
+        first = self.state.logits[:, None]
+        if k == 1:
+            return first
+        B = first.shape[0]
+        positions = self.state.next_position[:, None] + torch.arange(k - 1, device=first.device)
+        tokens = torch.full_like(positions, self.config.mask_token_id)
+        features = self.mask_hidden.expand(B, k - 1, -1)
+        slots, _ = self.forward_pairs(features, tokens, positions, from_features=True)
+        return torch.cat([first, slots.float()], dim=1)
 
     # ------------------------------------------------------------------ checkpoints
     @classmethod
@@ -393,8 +449,9 @@ class Eagle3Drafter(nn.Module):
         raw = read_config(directory)
         source = str(directory / "config.json")
         eagle_format = raw.get("speculators_model_type") is None
-        if not eagle_format and raw.get("speculators_model_type") != "eagle3":
-            raise CheckpointError(f"{source}: speculators_model_type {raw.get('speculators_model_type')!r} is not eagle3")
+        if not eagle_format and raw.get("speculators_model_type") not in ("eagle3", "peagle"):
+            raise CheckpointError(
+                f"{source}: speculators_model_type {raw.get('speculators_model_type')!r} is not eagle3 or peagle")
         config = Eagle3Config.from_eagle(raw, source) if eagle_format else Eagle3Config.from_speculators(raw, source)
         tensors, origin = load_tensors(directory)
         if eagle_format:
@@ -418,6 +475,9 @@ class Eagle3Drafter(nn.Module):
             raise CheckpointError(
                 f"{directory}: the checkpoint has no embed_tokens.weight; pass target= to borrow the target's embeddings"
             )
+        if config.parallel_drafting and "mask_hidden" not in tensors:
+            raise CheckpointError(f"{directory}: a parallel-drafting (P-EAGLE) checkpoint needs the weight 'mask_hidden' "
+                                  f"[1, 1, {config.num_aux * config.hidden_size}]; none found")
         check_tensors(directory, tensors, origin, expected, optional=("embed_tokens.weight",) if borrowed else ())
         if "d2t" in tensors:
             check_vocab_mapping(origin["d2t"], tensors["d2t"], tensors["t2d"], config.vocab_size)
