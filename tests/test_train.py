@@ -8,7 +8,7 @@ transformers = pytest.importorskip("transformers")
 from qspec_ext import Eagle3Drafter, Qwen3Target  # noqa: E402
 from qspec_ext.demo import DEMO_DIR, run_demo  # noqa: E402
 from qspec_ext.rope import rope_cos_sin_cache  # noqa: E402
-from qspec_ext.train import TrainConfig, train_drafter, ttt_loss, ttt_step  # noqa: E402
+from qspec_ext.train import TrainConfig, cod_nodes, parallel_forward, train_drafter, ttt_loss, ttt_step  # noqa: E402
 
 CODE = '''
 def add(a, b):
@@ -93,6 +93,46 @@ def test_ttt_step_one_is_the_drafters_forward(tiny_target, trained):
     agree = prefill.argmax(-1) == out.logits[:, 1:, draft_ids].argmax(-1)  # pair t predicts row t+1
     assert accuracies[0] == pytest.approx(float(agree.float().mean()))
     assert float(loss) > 0
+
+
+@pytest.fixture(scope="module")
+def trained_parallel(tiny_target):
+    config = TrainConfig(steps=30, draft_vocab=120, seq_len=40, batch_size=4, lr=3e-3, seed=0, parallel=True,
+                         parallel_depth=4)
+    return train_drafter(tiny_target / "target", [tiny_target / "code.py"], tiny_target / "draft-parallel", config,
+                         progress=False)
+
+
+def test_parallel_training_lowers_the_loss_and_saves_a_peagle_drafter(tiny_target, trained_parallel):
+    drafter, history = trained_parallel
+    first = sum(h[0] for h in history[:5]) / 5
+    last = sum(h[0] for h in history[-5:]) / 5
+    assert last < 0.8 * first, f"loss {first:.3f} -> {last:.3f}"
+    assert all(len(h[1]) == 4 for h in history), "an accuracy per depth"
+    loaded = Eagle3Drafter.from_pretrained(tiny_target / "draft-parallel")
+    assert loaded.config.parallel_drafting and loaded.config.speculative_tokens == 4
+    assert torch.equal(loaded.mask_hidden, drafter.mask_hidden.detach())
+    assert not loaded.embeddings_borrowed, "P-EAGLE learns the mask token's embedding and saves its own"
+    assert torch.equal(loaded.embed_tokens.weight, drafter.embed_tokens.weight.detach())
+
+
+def test_parallel_training_forward_is_the_parallel_draft(tiny_target, trained_parallel):
+    """The COD-masked training forward computes, for every depth of an anchor, what parallel
+    drafting after that anchor computes."""
+    drafter, _ = trained_parallel
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(tiny_target / "target").eval()
+    ids = torch.randint(0, hf.config.vocab_size, (1, 12))
+    c = drafter.config
+    with torch.no_grad():
+        features = torch.cat([hf(ids, output_hidden_states=True).hidden_states[i] for i in c.aux_layer_ids], -1)
+        anchor, depth = cod_nodes(11, 4, 1.0, 1.0, torch.Generator())  # every anchor at every depth
+        cos_sin = rope_cos_sin_cache(32, c.head_dim, c.rope_theta)
+        logits = parallel_forward(drafter, ids, features, anchor, depth, cos_sin)
+        drafter.setup_caches(1, 32)
+        drafter.prefill(features[:, :7], ids[:, 1:8], torch.arange(7)[None])
+        drafted = drafter.draft_parallel(4)
+    rows = (anchor == 6).nonzero().flatten()
+    torch.testing.assert_close(logits[0, rows[depth[rows].argsort()]], drafted[0], atol=1e-4, rtol=1e-4)
 
 
 def predictable_target(root, vocab=64, hidden=64):

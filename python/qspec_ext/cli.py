@@ -207,10 +207,11 @@ def cmd_train_drafter(args) -> int:
 
     config = TrainConfig(steps=args.steps, ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab, arch=args.arch,
                          fc_norm=args.fc_norm, norm_output=args.norm_output, seq_len=args.seq_len,
-                         batch_size=args.batch_size, lr=args.lr, seed=args.seed)
+                         batch_size=args.batch_size, lr=args.lr, seed=args.seed, parallel=args.parallel,
+                         parallel_depth=args.depth, cod_ratio=args.cod_ratio, cod_floor=args.cod_floor)
     _, history = train_drafter(args.target, args.data, args.out, config, device=args.device)
     first, last = history[0], history[-1]
-    print(f"loss {first[0]:.3f} -> {last[0]:.3f}; accuracy per step "
+    print(f"loss {first[0]:.3f} -> {last[0]:.3f}; accuracy per {'depth' if args.parallel else 'step'} "
           f"{' '.join(f'{a:.2f}' for a in last[1])}; wrote {args.out}")
     return 0
 
@@ -249,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--batch-size", type=int, default=8)
     train.add_argument("--lr", type=float, default=2e-3)
     train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--parallel", action="store_true", help="train a P-EAGLE (parallel drafting) drafter")
+    train.add_argument("--depth", type=int, default=8, help="P-EAGLE: mask-slot depths trained (k drafts need k)")
+    train.add_argument("--cod-ratio", type=float, default=0.7, help="P-EAGLE: COD sampling decay per depth")
+    train.add_argument("--cod-floor", type=float, default=0.2, help="P-EAGLE: COD sampling floor")
     train.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     train.set_defaults(run=cmd_train_drafter)
     args = parser.parse_args(argv)

@@ -37,6 +37,11 @@ class TrainConfig:
     lr: float = 2e-3
     seed: int = 0
     intermediate_size: int | None = None  # default: the target's
+    # P-EAGLE (parallel drafting): COD sampling of (anchor, depth) nodes, speculators' defaults
+    parallel: bool = False
+    parallel_depth: int = 8
+    cod_ratio: float = 0.7
+    cod_floor: float = 0.2
 
 
 def check_train_config(c: TrainConfig) -> None:
@@ -48,6 +53,9 @@ def check_train_config(c: TrainConfig) -> None:
     if c.intermediate_size is not None:
         check_int(where, "intermediate_size", c.intermediate_size, 1)
     check_float(where, "lr", c.lr, 0.0, low_open=True)
+    check_int(where, "parallel_depth", c.parallel_depth, 1)
+    check_float(where, "cod_ratio", c.cod_ratio, 0.0, 1.0, low_open=True)
+    check_float(where, "cod_floor", c.cod_floor, 0.0, 1.0)
     if c.arch not in ("qwen3", "llama"):
         raise ValueError(f"{where}: arch must be 'qwen3' or 'llama', got {c.arch!r}")
 
@@ -79,6 +87,43 @@ def _rope(x, cos, sin):  # x [B, L, heads, D], cos/sin [L, D/2]: rotate-half
     return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
 
 
+def _layer_input(model: Eagle3Drafter, index: int, x, embeds, h):
+    """(residual, attention input) of decoder layer `index`: layer 0 reads cat(embedding, x)."""
+    c, layer = model.config, model.layers[index]
+    if index == 0:
+        x_hat = _rms(x, layer.hidden_norm.weight, c.rms_norm_eps)
+        residual = x_hat if c.norm_before_residual else x
+        return residual, torch.cat([_rms(embeds, layer.input_layernorm.weight, c.rms_norm_eps), x_hat], dim=-1)
+    return h, _rms(h, layer.input_layernorm.weight, c.rms_norm_eps)
+
+
+def _qkv(model: Eagle3Drafter, index: int, u, cos, sin):
+    """q, k, v [B, L, heads, D] of layer `index` (k, v repeated to the query heads), RoPE applied."""
+    c, attn = model.config, model.layers[index].self_attn
+    B, L, _ = u.shape
+    D, group = c.head_dim, c.num_attention_heads // c.num_key_value_heads
+    q = attn.q_proj(u).view(B, L, c.num_attention_heads, D)
+    k = attn.k_proj(u).view(B, L, c.num_key_value_heads, D)
+    v = attn.v_proj(u).view(B, L, c.num_key_value_heads, D)
+    if c.arch == "qwen3":
+        q, k = _rms(q, attn.q_norm.weight, c.rms_norm_eps), _rms(k, attn.k_norm.weight, c.rms_norm_eps)
+    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    return q, k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+
+
+def _layer_output(model: Eagle3Drafter, index: int, residual, attended):
+    layer = model.layers[index]
+    B, L = attended.shape[:2]
+    h = residual + layer.self_attn.o_proj(attended.reshape(B, L, -1))
+    return h + layer.mlp(_rms(h, layer.post_attention_layernorm.weight, model.config.rms_norm_eps))
+
+
+def _head(model: Eagle3Drafter, h):
+    """Draft logits and x_next of the last layer's output h."""
+    z = _rms(h, model.norm.weight, model.config.rms_norm_eps)
+    return model.lm_head(z), (z if model.config.norm_output else h)
+
+
 def ttt_step(model: Eagle3Drafter, x, tokens, positions, cos_sin, past):
     """One differentiable draft step over all pair indices.
 
@@ -86,43 +131,44 @@ def ttt_step(model: Eagle3Drafter, x, tokens, positions, cos_sin, past):
     (k, v) of earlier steps, past[layer][0] the real context (step 1). A query at index t
     sees step-1 keys at indices <= t and every later step's key at index t.
     Returns logits [B, L, Vd], x_next [B, L, H] and this step's (k, v) per layer."""
-    c = model.config
-    eps, D = c.rms_norm_eps, c.head_dim
-    B, L, _ = x.shape
+    D = model.config.head_dim
+    L = x.shape[1]
     cos, sin = cos_sin[positions, : D // 2], cos_sin[positions, D // 2 :]
     embeds = model.embed_tokens(tokens)
     new_kv, h = [], None
-    for li, layer in enumerate(model.layers):
-        if li == 0:
-            x_hat = _rms(x, layer.hidden_norm.weight, eps)
-            residual = x_hat if c.norm_before_residual else x
-            u = torch.cat([_rms(embeds, layer.input_layernorm.weight, eps), x_hat], dim=-1)
-        else:
-            residual, u = h, _rms(h, layer.input_layernorm.weight, eps)
-        attn = layer.self_attn
-        q = attn.q_proj(u).view(B, L, c.num_attention_heads, D)
-        k = attn.k_proj(u).view(B, L, c.num_key_value_heads, D)
-        v = attn.v_proj(u).view(B, L, c.num_key_value_heads, D)
-        if c.arch == "qwen3":
-            q, k = _rms(q, attn.q_norm.weight, eps), _rms(k, attn.k_norm.weight, eps)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    for li in range(len(model.layers)):
+        residual, u = _layer_input(model, li, x, embeds, h)
+        q, k, v = _qkv(model, li, u, cos, sin)
         new_kv.append((k, v))
         steps = past[li] + [(k, v)]
-        group = c.num_attention_heads // c.num_key_value_heads
-        expand = lambda t: t.repeat_interleave(group, dim=2)  # noqa: E731
-        k1, v1 = expand(steps[0][0]), expand(steps[0][1])
+        k1, v1 = steps[0]
         scores = torch.einsum("bqhd,bkhd->bhqk", q, k1) / math.sqrt(D)
         causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
         scores = scores.masked_fill(~causal, float("-inf"))
-        diag = [(q * expand(ks)).sum(-1).transpose(1, 2)[..., None] / math.sqrt(D) for ks, _ in steps[1:]]
+        diag = [(q * ks).sum(-1).transpose(1, 2)[..., None] / math.sqrt(D) for ks, _ in steps[1:]]
         weights = torch.cat([scores, *diag], dim=-1).softmax(-1)
         out = torch.einsum("bhqk,bkhd->bqhd", weights[..., :L], v1)
         for i, (_, vs) in enumerate(steps[1:]):
-            out = out + weights[..., L + i].transpose(1, 2)[..., None] * expand(vs)
-        h = residual + attn.o_proj(out.reshape(B, L, -1))
-        h = h + layer.mlp(_rms(h, layer.post_attention_layernorm.weight, eps))
-    z = _rms(h, model.norm.weight, eps)
-    return model.lm_head(z), (z if c.norm_output else h), new_kv
+            out = out + weights[..., L + i].transpose(1, 2)[..., None] * vs
+        h = _layer_output(model, li, residual, out)
+    logits, x_next = _head(model, h)
+    return logits, x_next, new_kv
+
+
+def masked_forward(model: Eagle3Drafter, x, tokens, positions, cos_sin, allowed):
+    """The drafter over N nodes at once: x [B, N, H], tokens [B, N], positions [N], attention
+    allowed[query, key] [N, N]. Returns logits [B, N, Vd]."""
+    D = model.config.head_dim
+    cos, sin = cos_sin[positions, : D // 2], cos_sin[positions, D // 2 :]
+    embeds = model.embed_tokens(tokens)
+    h = None
+    for li in range(len(model.layers)):
+        residual, u = _layer_input(model, li, x, embeds, h)
+        q, k, v = _qkv(model, li, u, cos, sin)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(D)
+        weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+        h = _layer_output(model, li, residual, torch.einsum("bhqk,bkhd->bqhd", weights, v))
+    return _head(model, h)[0]
 
 
 def fc_input(model: Eagle3Drafter, features):
@@ -137,12 +183,23 @@ def fc_input(model: Eagle3Drafter, features):
     return reference.gather_aux_hidden(chunks, rows, None, mode, weight, model.config.rms_norm_eps).view(B, L, width)
 
 
+def _kl_and_accuracy(model: Eagle3Drafter, logits, target_logits):
+    """Per-row KL(p || q) of the target's distribution restricted to the draft vocabulary (p)
+    and the drafter's (q), and whether their argmaxes agree."""
+    with torch.no_grad():
+        p = torch.softmax(target_logits.float(), dim=-1)
+        if model.t2d is not None:
+            p = p[..., torch.nonzero(model.t2d).flatten()]
+        p = p / p.sum(-1, keepdim=True).clamp(min=1e-12)
+    log_q = torch.log_softmax(logits.float(), dim=-1)
+    return (p * (torch.log(p.clamp(min=1e-12)) - log_q)).sum(-1), logits.argmax(-1) == p.argmax(-1)
+
+
 def ttt_loss(model: Eagle3Drafter, target_ids, features, target_logits, ttt_steps, cos_sin):
     """features [B, T, n*H] and target_logits [B, T, V] at positions 0..T-1 of target_ids [B, T].
     Returns the summed loss and the top-1 accuracy of each step."""
     B, T = target_ids.shape
     L = T - 1  # pair t = (feature t, token t+1) at position t predicts the target's row t+1
-    draft_ids = torch.nonzero(model.t2d).flatten() if model.t2d is not None else None
     x = model.fc(fc_input(model, features[:, :L]))
     past = [[] for _ in model.layers]
     total, accuracies = 0.0, []
@@ -153,16 +210,56 @@ def ttt_loss(model: Eagle3Drafter, target_ids, features, target_logits, ttt_step
         logits, x_next, kv = ttt_step(model, x, target_ids[:, source], index + step, cos_sin, past)
         for layer_past, layer_kv in zip(past, kv):
             layer_past.append(layer_kv)
-        with torch.no_grad():
-            p = torch.softmax(target_logits[:, source].float(), dim=-1)
-            if draft_ids is not None:
-                p = p[..., draft_ids]
-            p = p / p.sum(-1, keepdim=True).clamp(min=1e-12)
-        log_q = torch.log_softmax(logits.float(), dim=-1)
-        per_pair = (p * (torch.log(p.clamp(min=1e-12)) - log_q)).sum(-1)  # KL(p || q)
-        total = total + per_pair[:, valid].mean()
-        accuracies.append(float((logits.argmax(-1) == p.argmax(-1))[:, valid].float().mean()))
+        kl, hit = _kl_and_accuracy(model, logits, target_logits[:, source])
+        total = total + kl[:, valid].mean()
+        accuracies.append(float(hit[:, valid].float().mean()))
         x = x_next
+    return total, accuracies
+
+
+def cod_nodes(length: int, depth: int, ratio: float, floor: float, generator: torch.Generator):
+    """P-EAGLE's sampled (anchor, depth) nodes over `length` pairs: every anchor at depth 0, and
+    at depth d a random subset of the anchors kept at depth d-1 (a fraction max(ratio^d, floor)
+    of all anchors overall) whose label row anchor + d + 1 exists. Returns anchor, depth [N]."""
+    anchors, depths = [torch.arange(length)], [torch.zeros(length, dtype=torch.long)]
+    kept = torch.arange(length)
+    for d in range(1, depth):
+        keep = max(ratio**d, floor) / max(ratio ** (d - 1), floor)
+        kept = kept[(torch.rand(len(kept), generator=generator) < keep) & (kept + d + 1 <= length)]
+        anchors.append(kept)
+        depths.append(torch.full_like(kept, d))
+    return torch.cat(anchors), torch.cat(depths)
+
+
+def parallel_forward(model: Eagle3Drafter, target_ids, features, anchor, depth, cos_sin):
+    """Draft logits [B, N, Vd] of the nodes (anchor, depth) [N] over target_ids [B, T] and their
+    features [B, T, n*H]: depth-0 nodes are the pairs (feature a, token a+1), deeper ones mask
+    slots; a node sees the depth-0 nodes up to its anchor and its anchor's nodes up to its depth."""
+    B = target_ids.shape[0]
+    allowed = ((depth[None, :] == 0) & (anchor[None, :] <= anchor[:, None])) | (
+        (anchor[None, :] == anchor[:, None]) & (depth[None, :] <= depth[:, None]))
+    is_mask = depth > 0
+    raw = torch.where(is_mask[None, :, None], model.mask_hidden.expand(B, len(anchor), -1), features[:, anchor])
+    tokens = torch.where(is_mask[None, :], model.config.mask_token_id, target_ids[:, anchor + 1])
+    return masked_forward(model, model.fc(fc_input(model, raw)), tokens, anchor + depth, cos_sin, allowed)
+
+
+def parallel_loss(model: Eagle3Drafter, target_ids, features, target_logits, config: "TrainConfig", cos_sin,
+                  generator: torch.Generator):
+    """P-EAGLE training over COD-sampled nodes (parallel_forward: what parallel drafting sees);
+    node (anchor, depth) at position anchor + depth predicts the target's row at position + 1.
+    Returns the loss (the mean KL of each depth, summed) and the top-1 accuracy at each depth."""
+    T = target_ids.shape[1]
+    anchor, depth = cod_nodes(T - 1, config.parallel_depth, config.cod_ratio, config.cod_floor, generator)
+    anchor, depth = anchor.to(target_ids.device), depth.to(target_ids.device)
+    logits = parallel_forward(model, target_ids, features, anchor, depth, cos_sin)
+    kl, hit = _kl_and_accuracy(model, logits, target_logits[:, anchor + depth + 1])
+    total, accuracies = 0.0, []
+    for d in range(config.parallel_depth):
+        at = depth == d
+        if bool(at.any()):
+            total = total + kl[:, at].mean()
+            accuracies.append(float(hit[:, at].float().mean()))
     return total, accuracies
 
 
@@ -192,13 +289,17 @@ def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: 
     frequent = sorted(frequent | {next(unseen) for _ in range(draft_vocab - len(frequent))})
     rope = getattr(tc, "rope_parameters", None) or {}
     theta = rope.get("rope_theta", getattr(tc, "rope_theta", 1_000_000.0))
+    # P-EAGLE's mask token: an id the data never uses (its embedding is learned), else the last.
+    parallel = dict(parallel_drafting=True, speculative_tokens=config.parallel_depth,
+                    mask_token_id=next((t for t in reversed(range(vocab_size)) if t not in counts), vocab_size - 1),
+                    ) if config.parallel else dict(speculative_tokens=config.ttt_steps)
     dconfig = Eagle3Config(
         hidden_size=tc.hidden_size, num_attention_heads=tc.num_attention_heads,
         num_key_value_heads=tc.num_key_value_heads, head_dim=getattr(tc, "head_dim", tc.hidden_size // tc.num_attention_heads),
         intermediate_size=config.intermediate_size or tc.intermediate_size, vocab_size=vocab_size,
         draft_vocab_size=draft_vocab, arch=config.arch, rms_norm_eps=tc.rms_norm_eps, rope_theta=float(theta),
         max_position_embeddings=tc.max_position_embeddings, num_aux=len(aux_ids), aux_layer_ids=aux_ids,
-        fc_norm=config.fc_norm, norm_output=config.norm_output, speculative_tokens=config.ttt_steps,
+        fc_norm=config.fc_norm, norm_output=config.norm_output, **parallel,
     )
     drafter = Eagle3Drafter(dconfig, use_custom_ops=False).to(device)
     with torch.no_grad():
@@ -209,15 +310,17 @@ def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: 
             drafter.t2d.zero_()
             drafter.t2d[ids] = True
             drafter.lm_head.weight.copy_(target.get_output_embeddings().weight[ids])
-    drafter.embed_tokens.weight.requires_grad_(False)
-    drafter.embeddings_borrowed = True
+    # Chain drafters borrow the target's embeddings; P-EAGLE learns the mask token's, so it keeps its own.
+    drafter.embed_tokens.weight.requires_grad_(config.parallel)
+    drafter.embeddings_borrowed = not config.parallel
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0, betas=(0.9, 0.95))
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s / config.steps, 1.0))))
-    cos_sin = rope_cos_sin_cache(config.seq_len + config.ttt_steps + 1, dconfig.head_dim, dconfig.rope_theta,
-                                 device=device, scaling=dconfig.rope_scaling)
+    cos_sin = rope_cos_sin_cache(config.seq_len + max(config.ttt_steps, config.parallel_depth) + 1, dconfig.head_dim,
+                                 dconfig.rope_theta, device=device, scaling=dconfig.rope_scaling)
     data = batches(stream, config.seq_len, config.batch_size, config.seed)
+    nodes = torch.Generator().manual_seed(config.seed)
     history = []
     bar = tqdm(range(config.steps), desc="train-drafter", disable=not progress)
     for _ in bar:
@@ -225,7 +328,13 @@ def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: 
         with torch.no_grad():
             out = target(ids, output_hidden_states=True)
         features = torch.cat([out.hidden_states[i] for i in aux_ids], dim=-1)
-        loss, accuracies = ttt_loss(drafter, ids, features, out.logits, config.ttt_steps, cos_sin)
+        if config.parallel:
+            if not history:  # start the mask slots' input at the mean feature
+                with torch.no_grad():
+                    drafter.mask_hidden.copy_(features.mean(dim=(0, 1), keepdim=True))
+            loss, accuracies = parallel_loss(drafter, ids, features, out.logits, config, cos_sin, nodes)
+        else:
+            loss, accuracies = ttt_loss(drafter, ids, features, out.logits, config.ttt_steps, cos_sin)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
