@@ -172,8 +172,25 @@ __device__ __forceinline__ float q_at(const VerifyParams<T>& p, int64_t prob_row
              : 0.f;
 }
 
+// The sampling weight of target id v in the emitted row (cursor d: see q_at).
 template <typename T>
-__global__ void __launch_bounds__(kThreads) emit_kernel(const VerifyParams<T> p) {
+__device__ __forceinline__ float emit_weight(const VerifyParams<T>& p, const T* logits, int64_t prob_row,
+                                             int64_t draft, SoftmaxStats stats, float temperature, bool residual,
+                                             int64_t v, int64_t& d) {
+  const float q = residual ? q_at(p, prob_row, draft, v, d) : 0.f;
+  return sample_weight(residual, stats, static_cast<float>(logits[v]) / temperature, q);
+}
+
+// A q_at cursor for ids from v on.
+template <typename T>
+__device__ __forceinline__ int64_t emit_cursor(const VerifyParams<T>& p, bool residual, int64_t v) {
+  return residual && p.d2t != nullptr ? d2t_lower_bound(p.d2t, p.d2t_i64, p.draft_vocab, v) : int64_t{0};
+}
+
+// One block per SM is plenty (B blocks in all): without the hint ptxas aims for occupancy,
+// stops at 48 registers and spills.
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 1) emit_kernel(const VerifyParams<T> p) {
   const int64_t b = blockIdx.x;
   const int rows_per_request = p.num_draft_max + 1;
   const int64_t n64 = num_draft_of(p, b);
@@ -198,13 +215,6 @@ __global__ void __launch_bounds__(kThreads) emit_kernel(const VerifyParams<T> p)
     const int64_t draft = j < n ? drafts[j * p.draft_col_stride] : -1;
     const SoftmaxStats stats = rows[j].softmax;
     const int64_t size = draw_chunk_size(p.vocab);
-    auto weight = [&](bool residual, int64_t v, int64_t& d) {
-      const float q = residual ? q_at(p, prob_row, draft, v, d) : 0.f;
-      return sample_weight(residual, stats, static_cast<float>(logits[v]) / temperature, q);
-    };
-    auto cursor = [&](bool residual, int64_t v) {
-      return residual && p.d2t != nullptr ? d2t_lower_bound(p.d2t, p.d2t_i64, p.draft_vocab, v) : int64_t{0};
-    };
     __shared__ double sums[kThreads];
     __shared__ int64_t last_positive[kThreads];
     __shared__ bool retry, use_residual;
@@ -213,10 +223,10 @@ __global__ void __launch_bounds__(kThreads) emit_kernel(const VerifyParams<T> p)
     // Level 1: chunk sums; a residual with no positive weight (p <= q everywhere) falls back to p.
     for (bool residual = decision.emit == VerifyEmit::kResidual;; residual = false) {
       const int64_t begin = min(p.vocab, threadIdx.x * size), end = min(p.vocab, begin + size);
-      int64_t d = cursor(residual, begin), last = -1;
+      int64_t d = emit_cursor(p, residual, begin), last = -1;
       double sum = 0.0;
       for (int64_t v = begin; v < end; ++v) {
-        const float w = weight(residual, v, d);
+        const float w = emit_weight(p, logits, prob_row, draft, stats, temperature, residual, v, d);
         sum += w;
         if (w > 0.f) last = v;
       }
@@ -245,10 +255,10 @@ __global__ void __launch_bounds__(kThreads) emit_kernel(const VerifyParams<T> p)
     } else if (warp == 0) {
       const int64_t begin = choice.chunk * size, end = min(p.vocab, begin + size);
       double before = choice.before;
-      int64_t d = cursor(use_residual, begin + lane), found = -1;
+      int64_t d = emit_cursor(p, use_residual, begin + lane), found = -1;
       for (int64_t group = begin; group < end; group += kWarpSize) {
         const int64_t v = group + lane;
-        const float w = v < end ? weight(use_residual, v, d) : 0.f;
+        const float w = v < end ? emit_weight(p, logits, prob_row, draft, stats, temperature, use_residual, v, d) : 0.f;
         double inclusive = w;
 #pragma unroll
         for (int o = 1; o < kWarpSize; o *= 2) {
