@@ -54,6 +54,25 @@ def cuda_choice() -> tuple[bool, Path | None]:
     return want, cuda_home
 
 
+def build_tool(name: str) -> str:
+    """The build environment's own cmake / ninja (the pip packages' binaries, or the scripts next to
+    this Python) before anything on PATH: a system cmake may be older than the 3.26 we need."""
+    candidates = []
+    try:
+        module = __import__(name)
+        candidates.append(Path(getattr(module, "CMAKE_BIN_DIR" if name == "cmake" else "BIN_DIR")) / name)
+    except (ImportError, AttributeError):
+        pass
+    candidates.append(Path(sys.executable).parent / name)
+    for candidate in candidates:
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    found = shutil.which(name)
+    if found is None:
+        sys.exit(f"qspec_ext setup: {name} not found: pip install \"cmake>=3.26\" ninja")
+    return found
+
+
 class CMakeExtension(Extension):
     def __init__(self, name: str):
         super().__init__(name, sources=[])
@@ -76,6 +95,7 @@ class CMakeBuild(build_ext):
             f"-DQSPEC_VERSION={self.distribution.get_version()}",
             f"-DQSPEC_CUDA={'ON' if with_cuda else 'OFF'}",
             f"-DQSPEC_CUDA_ARCHS={archs}",
+            f"-DCMAKE_MAKE_PROGRAM={build_tool('ninja')}",
         ]
         if with_cuda:
             args += [
@@ -84,9 +104,10 @@ class CMakeBuild(build_ext):
                 f"-DCMAKE_CUDA_COMPILER={cuda_home / 'bin' / 'nvcc'}",
             ]
         print(f"qspec_ext setup: CUDA kernels {'ON, archs ' + archs if with_cuda else 'OFF'}", flush=True)
-        subprocess.run(["cmake", *args], check=True)
+        cmake = build_tool("cmake")
+        subprocess.run([cmake, *args], check=True)
         jobs = os.environ.get("MAX_JOBS") or str(os.cpu_count() or 1)
-        subprocess.run(["cmake", "--build", str(build_temp), "-j", jobs], check=True)
+        subprocess.run([cmake, "--build", str(build_temp), "-j", jobs], check=True)
 
 
 setup(

@@ -12,7 +12,7 @@ from functools import partial
 
 from .decode import SpeculativeDecoder, generate_plain, in_batches
 from .models import Eagle3Drafter, HFTarget, Qwen3Target
-from .models.checkpoint import CheckpointError, read_config
+from .models.checkpoint import CheckpointError, read_config, resolve_checkpoint
 
 # What a user can fix: printed as one line (`qspec <command>: error: ...`, exit 2), with the
 # traceback only under --debug. Anything else is a bug and keeps its traceback.
@@ -58,27 +58,65 @@ def eos_token_id(target_dir: str) -> int | None:
 
 
 def resolve_models(args) -> None:
-    if args.demo is not None:
+    """--target / --draft as directories (hub ids resolved); both absent: the shipped pair."""
+    if (args.target is None) != (args.draft is None):
+        raise ValueError("--target and --draft go together (or give neither for the shipped demo pair)")
+    if args.target is None:
         from .demo import DEMO_DIR
 
-        args.target = args.target or str(DEMO_DIR / "target")
-        args.draft = args.draft or str(DEMO_DIR / "draft")
-    if args.target is None or args.draft is None:
-        raise ValueError("--target and --draft are required (or --demo N for the shipped pair)")
+        args.target, args.draft = str(DEMO_DIR / "target"), str(DEMO_DIR / "draft")
+    args.target, args.draft = str(resolve_checkpoint(args.target)), str(resolve_checkpoint(args.draft))
 
 
 def read_prompts(args) -> list[str]:
+    """--demo N held-out prompts, --prompt, or --prompts FILE: text lines, or JSONL lines with
+    {"prompt": ...} or MT-bench style {"turns": [...]} (the first turn)."""
     if args.demo is not None:
         from .demo import demo_prompts
 
         return demo_prompts(args.demo)
     if args.prompt is not None:
         return [args.prompt]
-    lines = [line.rstrip("\n") for line in Path(args.prompts).read_text().splitlines()]
-    prompts = [line for line in lines if line.strip()]
-    if not prompts:
-        raise ValueError(f"{args.prompts} holds no prompts (one per line)")
+    path = Path(args.prompts)
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    if not lines:
+        raise ValueError(f"{path} holds no prompts (text lines, or JSONL with \"prompt\" or \"turns\")")
+    if not lines[0].lstrip().startswith("{"):
+        return lines
+    prompts = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{number}: not a JSON object ({e.msg})") from e
+        turns = record.get("turns") if isinstance(record, dict) else None
+        prompt = record.get("prompt") if isinstance(record, dict) else None
+        if prompt is None and isinstance(turns, list) and turns:
+            prompt = turns[0]
+        if not isinstance(prompt, str):
+            raise ValueError(f"{path}:{number}: a JSONL prompt needs a \"prompt\" string or a non-empty \"turns\" list")
+        prompts.append(prompt)
     return prompts
+
+
+def encode_prompts(args, texts: list[str]) -> tuple[list[list[int]], int | None]:
+    """Token ids of the prompts and the EOS to stop at. --chat wraps each prompt as one user turn
+    with the target tokenizer's chat template (transformers AutoTokenizer) and stops at its EOS."""
+    if not args.chat:
+        tokenizer = load_tokenizer(args.target)
+        return [tokenizer.encode(t).ids for t in texts], eos_token_id(args.target)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    if not tokenizer.chat_template:
+        raise ValueError(f"--chat: the tokenizer in {args.target} has no chat template")
+    ids = []
+    for text in texts:
+        chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=False)
+        ids.append(tokenizer(chat, add_special_tokens=False)["input_ids"])
+    eos = tokenizer.eos_token_id
+    return ids, eos if eos is not None else eos_token_id(args.target)
 
 
 def stats_table(stats) -> str:
@@ -93,13 +131,15 @@ def stats_table(stats) -> str:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", help="HF Qwen3 checkpoint directory (with tokenizer.json)")
-    p.add_argument("--draft", help="EAGLE-3 drafter directory (speculators or EAGLE format)")
+    p.add_argument("--target", help="HF Qwen3 checkpoint (directory or hub id, with tokenizer.json); "
+                                     "default: the shipped demo pair")
+    p.add_argument("--draft", help="EAGLE-3 drafter (directory or hub id; speculators or EAGLE format)")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="one prompt")
-    source.add_argument("--prompts", help="a file with one prompt per line")
-    source.add_argument("--demo", type=int, metavar="N",
-                        help="the shipped demo pair (unless --target/--draft) on N held-out code prompts")
+    source.add_argument("--prompts", help="a file: one prompt per line, or JSONL with \"prompt\" or \"turns\"")
+    source.add_argument("--demo", type=int, metavar="N", help="N held-out code prompts (for the shipped pair)")
+    p.add_argument("--chat", action="store_true",
+                   help="format each prompt with the target tokenizer's chat template and stop at its EOS")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=None)
@@ -118,11 +158,11 @@ def sampling_args(args) -> dict:
 def cmd_generate(args) -> int:
     resolve_models(args)
     tokenizer = load_tokenizer(args.target)
-    target, drafter = load_pair(args.target, args.draft, args.device, args.dtype, args.hf_target)
     texts = read_prompts(args)
-    prompts = [tokenizer.encode(t).ids for t in texts]
+    prompts, eos = encode_prompts(args, texts)
+    target, drafter = load_pair(args.target, args.draft, args.device, args.dtype, args.hf_target)
     decoder = SpeculativeDecoder(target, drafter, args.k)
-    result = decoder.generate(prompts, args.max_new_tokens, eos_token_id=eos_token_id(args.target), **sampling_args(args))
+    result = decoder.generate(prompts, args.max_new_tokens, eos_token_id=eos, **sampling_args(args))
     outputs = [tokenizer.decode(ids) for ids in result.tokens]
     if args.json:
         print(json.dumps({"outputs": [dict(prompt=p, text=o, token_ids=ids) for p, o, ids in
@@ -139,10 +179,8 @@ def cmd_bench(args) -> int:
     from tqdm import tqdm
 
     resolve_models(args)
-    tokenizer = load_tokenizer(args.target)
+    prompts, eos = encode_prompts(args, read_prompts(args))
     target, drafter = load_pair(args.target, args.draft, args.device, args.dtype, args.hf_target)
-    prompts = [tokenizer.encode(t).ids for t in read_prompts(args)]
-    eos = eos_token_id(args.target)
     runs = {}
     common = dict(max_new_tokens=args.max_new_tokens, eos_token_id=eos, **sampling_args(args))
     with tqdm(total=len(args.k) + 1, desc="qspec bench", file=sys.stderr) as bar:

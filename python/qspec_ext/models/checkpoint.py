@@ -2,6 +2,8 @@
 pytorch_model.bin, with errors that name the file and the key."""
 
 import json
+import os
+import re
 from pathlib import Path
 
 import torch
@@ -11,6 +13,29 @@ from safetensors.torch import save_file
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded as asked; the message names the file and key."""
+
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def resolve_checkpoint(path_or_id) -> Path:
+    """A checkpoint directory: the path itself if it exists, else a Hugging Face hub repo id
+    ("org/name") resolved with huggingface_hub: from the local cache when HF_HUB_OFFLINE is set,
+    downloaded otherwise."""
+    path = Path(path_or_id)
+    if path.exists() or not HUB_ID.match(str(path_or_id)):
+        return path
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    try:
+        return Path(snapshot_download(str(path_or_id), local_files_only=offline))
+    except LocalEntryNotFoundError as e:
+        where = "in the local Hugging Face cache (HF_HUB_OFFLINE is set)" if offline else "on the hub or in the cache"
+        raise CheckpointError(f"{path_or_id}: not a local directory, and not found {where}") from e
+    except HfHubHTTPError as e:
+        raise CheckpointError(f"{path_or_id}: not a local directory, and the hub refused it ({e})") from e
 
 
 def read_config(directory: Path) -> dict:

@@ -25,7 +25,7 @@ from torch import nn
 from .. import ops, reference
 from ..arguments import check_load
 from ..rope import rope_cos_sin_cache
-from .checkpoint import CheckpointError, check_tensors, load_tensors, read_config, save_tensors
+from .checkpoint import CheckpointError, check_tensors, load_tensors, read_config, resolve_checkpoint, save_tensors
 from .layers import MLP, Attention, RMSNormWeight
 
 logger = logging.getLogger(__name__)
@@ -438,14 +438,14 @@ class Eagle3Drafter(nn.Module):
     # ------------------------------------------------------------------ checkpoints
     @classmethod
     def from_pretrained(cls, path, dtype=None, device=None, target=None, use_custom_ops: bool = True):
-        """Loads a speculators-format or EAGLE reference checkpoint directory.
+        """Loads a speculators-format or EAGLE reference checkpoint (a directory or a hub repo id).
 
         target (a transformers model or anything with ``get_input_embeddings()`` and a
         ``config.hidden_size``): lends ``embed_tokens`` when the checkpoint has none, and its
         hidden size must match the drafter's.
         """
         check_load("Eagle3Drafter.from_pretrained", path, dtype, device)
-        directory = Path(path)
+        directory = resolve_checkpoint(path)
         raw = read_config(directory)
         source = str(directory / "config.json")
         eagle_format = raw.get("speculators_model_type") is None

@@ -11,7 +11,7 @@ from .. import ops, reference
 from ..arguments import check_aux_layer_ids, check_load
 from ..aux import AuxHiddenCapture, default_aux_layer_ids
 from ..rope import rope_cos_sin_cache
-from .checkpoint import CheckpointError, check_tensors, load_tensors, read_config
+from .checkpoint import CheckpointError, check_tensors, load_tensors, read_config, resolve_checkpoint
 from .layers import MLP, Attention, RMSNormWeight
 
 
@@ -104,9 +104,10 @@ class Qwen3Target(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path, dtype=None, device=None, aux_layer_ids=None, use_custom_ops: bool = True):
-        """Loads a local HF Qwen3 directory (config.json + safetensors, sharded or not)."""
+        """Loads an HF Qwen3 checkpoint (config.json + safetensors, sharded or not): a directory, or a
+        hub repo id resolved through the local cache (see ``resolve_checkpoint``)."""
         check_load("Qwen3Target.from_pretrained", path, dtype, device)
-        directory = Path(path)
+        directory = resolve_checkpoint(path)
         config = Qwen3Config.from_hf(read_config(directory), str(directory / "config.json"))
         tensors, origin = load_tensors(directory)
         with torch.device("meta"):

@@ -1,0 +1,143 @@
+"""The command line's conventions: the shipped pair by default, prompt files (text / JSONL /
+MT-bench turns), chat templates, and hub ids resolved through the local cache."""
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from qspec_ext import Eagle3Drafter, Qwen3Target  # noqa: E402
+from qspec_ext.cli import main as qspec_main  # noqa: E402
+from qspec_ext.demo import DEMO_DIR  # noqa: E402
+from qspec_ext.models.checkpoint import CheckpointError  # noqa: E402
+
+
+def generate_json(args, capsys):
+    assert qspec_main(["generate", *args, "--max-new-tokens", "4", "--json", "-k", "2"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_generate_uses_the_shipped_pair_by_default(capsys):
+    result = generate_json(["--prompt", "def main():\n"], capsys)
+    assert len(result["outputs"]) == 1 and len(result["outputs"][0]["token_ids"]) == 4
+    explicit = generate_json(["--target", str(DEMO_DIR / "target"), "--draft", str(DEMO_DIR / "draft"),
+                              "--prompt", "def main():\n"], capsys)
+    assert explicit["outputs"][0]["token_ids"] == result["outputs"][0]["token_ids"]
+
+
+def test_target_without_draft_is_refused(capsys):
+    assert qspec_main(["generate", "--target", str(DEMO_DIR / "target"), "--prompt", "x"]) == 2
+    assert "--target and --draft go together" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("lines,expected", [
+    (["import os", "", "class A:"], ["import os", "class A:"]),
+    ([json.dumps({"prompt": "import os"}), json.dumps({"prompt": "def f():"})], ["import os", "def f():"]),
+    ([json.dumps({"question_id": 81, "turns": ["import sys", "and then?"]})], ["import sys"]),
+])
+def test_prompt_files(tmp_path, capsys, lines, expected):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    result = generate_json(["--prompts", str(path)], capsys)
+    assert [o["prompt"] for o in result["outputs"]] == expected
+
+
+def test_bad_jsonl_names_the_line(tmp_path, capsys):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": "a"}) + "\n" + json.dumps({"text": "b"}) + "\n")
+    assert qspec_main(["generate", "--prompts", str(path)]) == 2
+    assert f"{path}:2: a JSONL prompt needs a \"prompt\" string or a non-empty \"turns\" list" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def chat_pair(tmp_path_factory):
+    """A tiny target whose tokenizer has a chat template and an end-of-turn EOS, and a drafter."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    root = tmp_path_factory.mktemp("chat")
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(["hello world how are you user assistant"] * 20,
+                            trainers.BpeTrainer(vocab_size=64, special_tokens=["<|end|>", "<unk>", "<|user|>", "<|assistant|>"]))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>", unk_token="<unk>")
+    fast.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }}<|end|>{% endfor %}"
+                          "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    target_dir, draft_dir = root / "target", root / "draft"
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                      max_position_embeddings=128, eos_token_id=None, tie_word_embeddings=False)
+    hf = transformers.Qwen3ForCausalLM(config)
+    assert fast.eos_token_id == 0
+    with torch.no_grad():  # all logits 0: the target always says token 0, <|end|>: generation must stop there
+        hf.lm_head.weight.zero_()
+    hf.save_pretrained(target_dir)
+    fast.save_pretrained(target_dir)
+    from qspec_ext import Eagle3Config
+
+    Eagle3Drafter(Eagle3Config(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                               intermediate_size=48, vocab_size=64, draft_vocab_size=64, num_aux=3,
+                               aux_layer_ids=[1, 2, 3])).save_pretrained(draft_dir)
+    return target_dir, draft_dir, fast
+
+
+def test_chat_formats_with_the_template_and_stops_at_its_eos(chat_pair, capsys, monkeypatch):
+    target_dir, draft_dir, fast = chat_pair
+    from qspec_ext.decode import SpeculativeDecoder
+
+    seen, real = [], SpeculativeDecoder.generate
+
+    def spy(self, prompts, max_new_tokens, **kwargs):
+        seen.append((prompts, kwargs.get("eos_token_id")))
+        return real(self, prompts, max_new_tokens, **kwargs)
+
+    monkeypatch.setattr(SpeculativeDecoder, "generate", spy)
+    result = generate_json(["--target", str(target_dir), "--draft", str(draft_dir), "--prompt", "hello", "--chat"],
+                           capsys)
+    expected = fast.apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True,
+                                        tokenize=False)
+    assert seen[0][0] == [fast(expected, add_special_tokens=False)["input_ids"]]
+    assert seen[0][1] == fast.eos_token_id
+    assert result["outputs"][0]["token_ids"] == [fast.eos_token_id], "stopped at the template's EOS"
+
+
+def test_chat_without_a_template_is_refused(capsys):
+    assert qspec_main(["generate", "--prompt", "x", "--chat"]) == 2
+    assert "has no chat template" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- hub ids
+
+
+def populate_cache(cache, repo_id, source_dir):
+    """The Hugging Face cache layout huggingface_hub reads offline: a snapshot and refs/main."""
+    revision = "0" * 40
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    for path in source_dir.iterdir():
+        (snapshot / path.name).write_bytes(path.read_bytes())
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+
+
+def test_hub_ids_resolve_through_the_local_cache(tmp_path, monkeypatch, capsys):
+    import huggingface_hub.constants
+
+    cache = tmp_path / "hub"
+    populate_cache(cache, "qspec/demo-target", DEMO_DIR / "target")
+    populate_cache(cache, "qspec/demo-draft", DEMO_DIR / "draft")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    target = Qwen3Target.from_pretrained("qspec/demo-target")
+    drafter = Eagle3Drafter.from_pretrained("qspec/demo-draft", target=target)
+    assert drafter.config.hidden_size == target.config.hidden_size
+    via_ids = generate_json(["--target", "qspec/demo-target", "--draft", "qspec/demo-draft", "--prompt", "import os"],
+                            capsys)
+    local = generate_json(["--prompt", "import os"], capsys)
+    assert via_ids["outputs"][0]["token_ids"] == local["outputs"][0]["token_ids"]
+    with pytest.raises(CheckpointError, match=r"qspec/missing: not a local directory, and not found in the local "
+                                              r"Hugging Face cache \(HF_HUB_OFFLINE is set\)"):
+        Qwen3Target.from_pretrained("qspec/missing")
