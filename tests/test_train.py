@@ -57,11 +57,15 @@ def trained(tiny_target):
                          progress=False)
 
 
-def test_train_drafter_lowers_the_loss_and_writes_a_loadable_checkpoint(tiny_target, trained):
-    drafter, history = trained
+def assert_loss_falls(history):
     first = sum(h[0] for h in history[:5]) / 5
     last = sum(h[0] for h in history[-5:]) / 5
     assert last < 0.8 * first, f"loss {first:.3f} -> {last:.3f}"
+
+
+def test_train_drafter_lowers_the_loss_and_writes_a_loadable_checkpoint(tiny_target, trained):
+    drafter, history = trained
+    assert_loss_falls(history)
     assert len(history) == 30 and all(len(h[1]) == 3 for h in history)
     target = Qwen3Target.from_pretrained(tiny_target / "target", aux_layer_ids=drafter.config.aux_layer_ids)
     loaded = Eagle3Drafter.from_pretrained(tiny_target / "draft", target=target)
@@ -105,9 +109,7 @@ def trained_parallel(tiny_target):
 
 def test_parallel_training_lowers_the_loss_and_saves_a_peagle_drafter(tiny_target, trained_parallel):
     drafter, history = trained_parallel
-    first = sum(h[0] for h in history[:5]) / 5
-    last = sum(h[0] for h in history[-5:]) / 5
-    assert last < 0.8 * first, f"loss {first:.3f} -> {last:.3f}"
+    assert_loss_falls(history)
     assert all(len(h[1]) == 4 for h in history), "an accuracy per depth"
     loaded = Eagle3Drafter.from_pretrained(tiny_target / "draft-parallel")
     assert loaded.config.parallel_drafting and loaded.config.speculative_tokens == 4
