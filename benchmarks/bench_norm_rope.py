@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from common import CHECK_TOLERANCE, Row, add_common_args, compiled, finish, time_fn
+from common import CHECK_TOLERANCE, Row, add_common_args, compiled, finish, restorer, time_fn
 
 import qspec_ext
 from qspec_ext import reference as ref
@@ -26,11 +26,12 @@ OPS = ["qk_norm_rope_", "qk_norm_rope_+cache", "rms_norm", "fused_add_rms_norm_"
 @dataclass
 class Case:
     ours: Callable[[], object]  # our op on prepared inputs
-    bind: Callable[[Callable], Callable[[], object]]  # a reference implementation on its own inputs
+    bind: Callable[[Callable], Callable[[], object]]  # a reference implementation on the same inputs
     reference: Callable  # the eager reference
     bytes: int  # bytes the op must move at least
     check: Callable[[], list]  # (ours, reference) output pairs on fresh inputs
     to_compile: Callable | None = None  # what torch.compile gets, if not the reference
+    setup: Callable[[], None] | None = None  # restores the inputs an in-place op overwrites, before every call
 
 
 def fused_add_rms_norm_functional(x, residual, weight, eps):
@@ -61,9 +62,7 @@ def make_case(op: str, tokens: int, dtype: torch.dtype, device: str) -> Case:
                 slot_mapping=torch.randperm(slots, generator=g, device=device)[:tokens],
             )
             moved += 3 * tokens * HEADS_KV * HEAD_DIM * elt  # read V, write K and V rows
-        ours_qkv, ref_qkv = qkv.clone(), qkv.clone()
-        ours_kv = {k: v.clone() for k, v in kv.items()}
-        ref_kv = {k: v.clone() for k, v in kv.items()}
+        work_qkv, work_kv = qkv.clone(), {k: v.clone() for k, v in kv.items()}
 
         def check():
             a, b = qkv.clone(), qkv.clone()
@@ -74,11 +73,12 @@ def make_case(op: str, tokens: int, dtype: torch.dtype, device: str) -> Case:
             return [(a, b)] + [(ka[k], kb[k]) for k in ("k_cache", "v_cache") if k in ka]
 
         return Case(
-            lambda: qspec_ext.qk_norm_rope_(ours_qkv, *args, **ours_kv),
-            lambda fn: (lambda: fn(ref_qkv, *args, **ref_kv)),
+            lambda: qspec_ext.qk_norm_rope_(work_qkv, *args, **work_kv),
+            lambda fn: (lambda: fn(work_qkv, *args, **work_kv)),
             ref.qk_norm_rope_,
             moved,
             check,
+            setup=restorer(work_qkv),  # the caches are only written to, from qkv
         )
     x, r = rnd(tokens, HIDDEN), rnd(tokens, HIDDEN)
     if op == "rms_norm":
@@ -87,7 +87,7 @@ def make_case(op: str, tokens: int, dtype: torch.dtype, device: str) -> Case:
             2 * tokens * HIDDEN * elt, lambda: [(qspec_ext.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6))],
         )
     if op == "fused_add_rms_norm_":
-        xo, ro, xr, rr = x.clone(), r.clone(), x.clone(), r.clone()
+        xw, rw = x.clone(), r.clone()
 
         def check():
             a, ra, b, rb = x.clone(), r.clone(), x.clone(), r.clone()
@@ -96,8 +96,9 @@ def make_case(op: str, tokens: int, dtype: torch.dtype, device: str) -> Case:
             return [(a, b), (ra, rb)]
 
         return Case(
-            lambda: qspec_ext.fused_add_rms_norm_(xo, ro, w, 1e-6), lambda fn: (lambda: fn(xr, rr, w, 1e-6)),
+            lambda: qspec_ext.fused_add_rms_norm_(xw, rw, w, 1e-6), lambda fn: (lambda: fn(xw, rw, w, 1e-6)),
             ref.fused_add_rms_norm_, 4 * tokens * HIDDEN * elt, check, to_compile=fused_add_rms_norm_functional,
+            setup=restorer(xw, rw),
         )
     if op == "eagle3_input_norm":
         call = lambda f: f(x, r, w, w, 1e-6, True)  # noqa: E731
@@ -126,11 +127,11 @@ def main() -> int:
                         if not torch.allclose(a.float(), b.float(), atol=CHECK_TOLERANCE[dtype], rtol=CHECK_TOLERANCE[dtype]):
                             failures += 1
                             print(f"CHECK FAILED: {op} {dtype_name} T={tokens}: max diff {(a.float() - b.float()).abs().max():.3g}")
-                row = Row(op, dtype_name, f"T={tokens}", case.bytes, time_fn(case.ours, args.device, args.min_time))
-                row.baselines["eager"] = time_fn(case.bind(case.reference), args.device, args.min_time)
+                timed = lambda fn: time_fn(fn, args.device, args.min_time, setup=case.setup)  # noqa: E731
+                row = Row(op, dtype_name, f"T={tokens}", case.bytes, timed(case.ours))
+                row.baselines["eager"] = timed(case.bind(case.reference))
                 if not args.no_compile:
-                    to_compile = compiled(case.to_compile or case.reference)
-                    row.baselines["compile"] = time_fn(case.bind(to_compile), args.device, args.min_time)
+                    row.baselines["compile"] = timed(case.bind(compiled(case.to_compile or case.reference)))
                 rows.append(row)
                 print(f"  {op} {dtype_name} T={tokens}: {row.ours.median_us:.1f} us", file=sys.stderr, flush=True)
     return finish("qspec_ext norm / RoPE prologue (Qwen3-8B: H 4096, 32/8 heads, D 128)", rows, args, failures)
