@@ -147,7 +147,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="fp32", choices=list(DTYPES))
-    p.add_argument("--hf-target", action="store_true", help="run the target with transformers instead of qspec_ext")
+    p.add_argument("--hf-target", action="store_true",
+                   help="run the target with transformers (any causal LM, hybrid Qwen3-Next / Qwen3.5 included)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
