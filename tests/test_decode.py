@@ -221,6 +221,70 @@ def test_stats_of_a_drafter_that_copies_the_target(hf_dir, k):
     assert spec.stats.num_accepted_tokens == spec.stats.num_draft_tokens
 
 
+def test_stats_of_chunked_batches_add_up(hf_dir):
+    """in_batches (qspec bench --batch-size) sums the stats of its chunks."""
+    from qspec_ext.decode import in_batches
+
+    target = Qwen3Target.from_pretrained(hf_dir, aux_layer_ids=AUX)
+    k = 3
+    plain = generate_plain(target, PROMPTS, 20 + k)
+    continuation = {tuple(p): t for p, t in zip(PROMPTS, plain.tokens)}
+
+    def generate(chunk, **kwargs):  # an oracle for the chunk's own requests
+        oracle = OracleDrafter(make_drafter(), [continuation[tuple(p)] for p in chunk], [len(p) for p in chunk])
+        return SpeculativeDecoder(target, oracle, k).generate(chunk, **kwargs)
+
+    whole = in_batches(generate, PROMPTS, 2, max_new_tokens=20)
+    assert whole.tokens == [t[:20] for t in plain.tokens]
+    s = whole.stats
+    assert s.num_accepted_tokens == s.num_draft_tokens == k * s.num_drafts and s.num_drafts >= len(PROMPTS) * 5
+    assert s.accepted_per_position == [s.num_drafts] * k and s.num_generated_tokens == 20 * len(PROMPTS)
+
+
+def test_first_prefill_pairs_each_prompt_token_with_the_next(hf_dir):
+    """The drafter's first prefill: pair t = (feature of prompt token t, prompt token t+1), the
+    last pair carries the target's first token, positions 0..L-1 then -1."""
+    target = Qwen3Target.from_pretrained(hf_dir, aux_layer_ids=AUX)
+    drafter = make_drafter()
+    calls = []
+    real = drafter.prefill
+
+    def spy(features, tokens, positions, *args, **kwargs):
+        calls.append((tokens.clone(), positions.clone()))
+        return real(features, tokens, positions, *args, **kwargs)
+
+    drafter.prefill = spy
+    result = SpeculativeDecoder(target, drafter, 2).generate(PROMPTS, 4)
+    tokens, positions = calls[0]
+    for b, prompt in enumerate(PROMPTS):
+        L = len(prompt)
+        assert tokens[b, : L - 1].tolist() == prompt[1:] and int(tokens[b, L - 1]) == result.tokens[b][0]
+        assert positions[b, :L].tolist() == list(range(L)) and (positions[b, L:] == -1).all()
+
+
+def test_hf_target_that_cannot_batch_crops_per_request(tmp_path):
+    """A sliding-window model runs one request at a time with a cropped cache: still lossless."""
+    config = hf_config()
+    config.use_sliding_window, config.sliding_window = True, 4
+    config.layer_types = ["sliding_attention"] * LAYERS
+    torch.manual_seed(0)
+    hf = transformers.Qwen3ForCausalLM(config).eval()
+    target = HFTarget(hf, AUX)
+    assert not target._can_batch
+    check_noisy_oracle(target, 3, PROMPTS[:3], new_tokens=16, seed=3)
+
+
+def test_plain_decoding_equals_transformers_generate(hf_dir):
+    """The built-in target's plain decoding against transformers' own greedy generate."""
+    target = Qwen3Target.from_pretrained(hf_dir, aux_layer_ids=AUX)
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(hf_dir).eval()
+    plain = generate_plain(target, PROMPTS, 12)
+    for prompt, tokens in zip(PROMPTS, plain.tokens):
+        with torch.no_grad():
+            expected = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):]
+        assert tokens == expected.tolist()
+
+
 def test_stats_count_what_was_accepted(hf_dir):
     """One request, a drafter that errs at random: the stats equal a recount from the drafts
     (greedy verification keeps the drafts that match the plain continuation)."""

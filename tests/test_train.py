@@ -96,7 +96,15 @@ def test_ttt_step_one_is_the_drafters_forward(tiny_target, trained):
     draft_ids = loaded.t2d.nonzero().flatten()
     agree = prefill.argmax(-1) == out.logits[:, 1:, draft_ids].argmax(-1)  # pair t predicts row t+1
     assert accuracies[0] == pytest.approx(float(agree.float().mean()))
-    assert float(loss) > 0
+    # Step 1's loss is the KL of the target's next-token rows (restricted to the draft vocabulary)
+    # against the prefill's draft logits, computed here from scratch.
+    with torch.no_grad():
+        one_step, _ = ttt_loss(loaded, ids, features, out.logits, 1, cos_sin)
+    p = torch.softmax(out.logits[:, 1:].float(), -1)[..., draft_ids]
+    p = p / p.sum(-1, keepdim=True)
+    kl = (p * (p.log() - torch.log_softmax(prefill.float(), -1))).sum(-1).mean()
+    torch.testing.assert_close(one_step, kl, atol=1e-4, rtol=1e-4)
+    assert float(loss) > float(one_step)
 
 
 @pytest.fixture(scope="module")

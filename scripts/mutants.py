@@ -1,0 +1,306 @@
+"""Mutation testing: apply deliberate bugs one at a time to a temporary copy of the package
+and check that the tests meant to catch each bug fail.
+
+    python scripts/mutants.py                 # every Python mutant
+    python scripts/mutants.py --only NAME ... # some of them
+    python scripts/mutants.py --list
+    python scripts/mutants.py --cpp           # also the C++ mutants (a CPU-only rebuild each)
+
+Each mutant replaces an exact snippet (found exactly once, else the script stops before any
+work: keep the list in sync with the code) in a fresh copy of python/qspec_ext (with its built
+_C*.so) and runs `pytest -x` on its selection with PYTHONPATH at the copy. A first, unmutated
+run (the built _C*.so as is) checks that the selections pass and that the copy is what the
+tests import. A mutant that survives
+its selection is run again on the whole test files of the selection before it counts as a
+survivor (a too-narrow selection gives false survivors). Exit status 1 unless every mutant
+was killed (survived, timed out, or stale: its snippet vanished while the script ran).
+"""
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PKG = "python/qspec_ext"
+DECODE, EAGLE3, TRAIN = f"{PKG}/decode.py", f"{PKG}/models/eagle3.py", f"{PKG}/train.py"
+SAMPLING, ARGS, OPS, ROPE, HF = (f"{PKG}/sampling.py", f"{PKG}/arguments.py", f"{PKG}/ops.py", f"{PKG}/rope.py",
+                                 f"{PKG}/models/hf_target.py")
+CPP_SOURCES = ("csrc", "CMakeLists.txt", "setup.py", "pyproject.toml", "README.md")
+
+DEC, DRAFTER, TR = "tests/test_decode.py::", "tests/test_eagle3_drafter.py::", "tests/test_train.py::"
+LOSSLESS = DEC + "test_greedy_is_lossless_builtin_target[5-3]"  # batch 5, k 3, a drafter right most of the time
+SAMPLED = DEC + "test_sampling_follows_the_target_distribution"
+SHIPPED = TR + "test_shipped_pair_accepts_drafts"
+INDEPENDENT = DRAFTER + "test_reference_path_equals_independent_implementation"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    file: str  # relative to the repository
+    old: str  # must occur exactly once in file
+    new: str
+    tests: tuple[str, ...]  # pytest arguments: node ids, files, "-k", "expr"
+
+    @property
+    def cpp(self) -> bool:
+        return not self.file.startswith(PKG + "/")
+
+
+MUTANTS = [
+    Mutant("position_not_advanced_by_accepted", DECODE,
+           "position = position + accepted + 1", "position = position + 1", (LOSSLESS,)),
+    Mutant("eos_only_at_end_of_run", DECODE,
+           "        if token == eos_token_id or len(generated) >= max_new_tokens:\n            return True\n    return False",
+           "        if len(generated) >= max_new_tokens:\n            return True\n    return new[-1] == eos_token_id",
+           (DEC + "test_eos_inside_an_accepted_run_stops_there",)),
+    Mutant("sampler_ignores_temperature", DECODE,
+           "logits.float() / self.temperature", "logits.float()", (SAMPLED + "[0.5-3-None]",)),
+    Mutant("sampler_ignores_top_k_top_p", DECODE,
+           "return apply_top_k_top_p(logits.float() / self.temperature, self.top_k, self.top_p)",
+           "return logits.float() / self.temperature", (SAMPLED + "[0.5-3-None]",)),
+    Mutant("philox_offset_zero_every_step", DECODE,
+           "ones, seeds, position + 1)", "ones, seeds, torch.zeros_like(position))", (SAMPLED + "[1.0-None-None]",)),
+    Mutant("same_seed_for_every_request", DECODE,
+           "[seed * 1_000_003 + b for b in range(batch)], device=device)",
+           "[seed * 1_000_003 for b in range(batch)], device=device)", (SAMPLED + "[1.0-None-None]",)),
+    Mutant("greedy_verify_when_sampling", DECODE,
+           "if temperature == 0.0:\n                out, accepted = verify_greedy",
+           "if temperature >= 0.0:\n                out, accepted = verify_greedy", (SAMPLED + "[1.0-None-None]",)),
+    Mutant("prefill_pairs_misaligned", DECODE,
+           "pair_tokens = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)", "pair_tokens = tokens.clone()",
+           (DEC + "test_first_prefill_pairs_each_prompt_token_with_the_next",)),
+    Mutant("step_pairs_misaligned", DECODE,
+           "drafter.prefill(fc_input.view(batch, k + 1, -1), out.clamp(min=0),",
+           "drafter.prefill(fc_input.view(batch, k + 1, -1), torch.cat([last[:, None], drafts], dim=1),",
+           (SHIPPED,)),
+    Mutant("gather_rows_drop_last_accepted", DECODE,
+           "keep = (offsets <= accepted[:, None])", "keep = (offsets < accepted[:, None])", (LOSSLESS,)),
+    Mutant("prefill_positions_off_by_one", DECODE,
+           "positions[b, : len(p)] = torch.arange(len(p), device=device)",
+           "positions[b, : len(p)] = torch.arange(1, len(p) + 1, device=device)",
+           (DEC + "test_plain_decoding_equals_transformers_generate",)),
+    Mutant("stats_skip_last_accepted_position", DECODE,
+           "for i in range(n):\n                    stats.accepted_per_position[i] += 1",
+           "for i in range(n - 1):\n                    stats.accepted_per_position[i] += 1",
+           (DEC + "test_stats_count_what_was_accepted",)),
+    Mutant("acceptance_length_without_one", DECODE,
+           "return 1.0 + self.num_accepted_tokens / max(self.num_drafts, 1)",
+           "return self.num_accepted_tokens / max(self.num_drafts, 1)",
+           (DEC + "test_stats_of_a_drafter_that_copies_the_target[1]",)),
+    Mutant("in_batches_keeps_last_accepted_count", DECODE,
+           "total.num_accepted_tokens += s.num_accepted_tokens", "total.num_accepted_tokens = s.num_accepted_tokens",
+           (DEC + "test_stats_of_chunked_batches_add_up",)),
+    Mutant("top_p_keeps_one_too_few", SAMPLING,
+           "last = (before < p).sum(dim=-1, keepdim=True).clamp(min=1) - 1",
+           "last = (before < p).sum(dim=-1, keepdim=True).clamp(min=2) - 2",
+           ("tests/test_verify.py::test_top_k_top_p_helper",)),
+    Mutant("sampling_out_seed_offset_swapped", OPS,
+           "_ops.verify_sampling_out(draft_ids, draft_probs, target_logits, temperature, seed, offset,",
+           "_ops.verify_sampling_out(draft_ids, draft_probs, target_logits, temperature, offset, seed,",
+           ("tests/test_properties.py::test_verify_sampling",)),
+    Mutant("draft_probs_of_half_logits", EAGLE3,
+           "torch.softmax(logits, dim=-1) if return_probs", "torch.softmax(0.5 * logits, dim=-1) if return_probs",
+           (INDEPENDENT,)),
+    Mutant("missing_norm_output_defaults_true", EAGLE3,
+           "**{name: bool(cfg.get(name, False)) for name in FLAGS}",
+           "**{name: bool(cfg.get(name, name == 'norm_output')) for name in FLAGS}",
+           (DRAFTER + "test_missing_speculators_flags_default_to_false_and_are_logged",)),
+    Mutant("norm_output_ignored_in_draft", EAGLE3,
+           "x_next = out if c.norm_output else residual", "x_next = residual", (INDEPENDENT,)),
+    Mutant("d2t_mapping_dropped", EAGLE3,
+           "return draft_ids if self.d2t is None else draft_ids + self.d2t[draft_ids]", "return draft_ids",
+           (INDEPENDENT,)),
+    Mutant("draft_starts_on_last_prefilled_position", EAGLE3,
+           "positions[rows, last] + 1, top + 1)", "positions[rows, last], top + 1)",
+           (INDEPENDENT, DRAFTER + "test_rollback_is_moving_positions")),
+    Mutant("hf_target_stale_columns_not_masked", HF,  # the batched path's rollback
+           "self.valid &= self.col_pos < torch.tensor(first, device=self.device)[:, None]", "pass",
+           (DEC + "test_greedy_is_lossless_hf_target[1-3]",)),
+    Mutant("hf_target_cache_not_cropped", HF,  # the one-at-a-time path of sliding-window models
+           "if stale > 0:", "if False:", (DEC + "test_hf_target_that_cannot_batch_crops_per_request",)),
+    Mutant("teacher_shifted_by_one", TRAIN,
+           "_kl_and_accuracy(model, logits, target_logits[:, source])",
+           "_kl_and_accuracy(model, logits, target_logits[:, source - 1])",
+           (TR + "test_ttt_step_one_is_the_drafters_forward",)),
+    Mutant("ttt_positions_not_advanced", TRAIN,
+           "target_ids[:, source], index + step, cos_sin, past)", "target_ids[:, source], index, cos_sin, past)",
+           (TR + "test_trainer_learns_every_ttt_step_of_a_predictable_target",
+            TR + "test_ttt_step_one_is_the_drafters_forward")),
+    Mutant("yarn_attention_factor_dropped", ROPE,
+           "return inv, float(attention) if attention is not None else 0.1 * math.log(factor) + 1.0",
+           "return inv, 1.0",
+           (DEC + "test_rope_table_matches_transformers_init_functions",
+            DRAFTER + "test_rope_spellings_and_scaling_match_transformers")),
+    Mutant("prompts_out_of_range_accepted", ARGS,
+           "if not 0 <= token < vocab_size:", "if token < 0:",
+           ("tests/test_errors.py::test_bad_generate_arguments", "-k", "outside")),
+    Mutant("top_p_zero_accepted", ARGS,
+           '"top_p", top_p, 0.0, 1.0, low_open=True)', '"top_p", top_p, 0.0, 1.0, low_open=False)',
+           ("tests/test_errors.py::test_bad_generate_arguments", "-k", "top_p")),
+    # C++ (with --cpp): a CPU-only rebuild of the copy per mutant, minutes each.
+    Mutant("cpu_residual_draw_ignores_row_offset", "csrc/cpu/verify.cpp",
+           "random_bits(seed, offset + j, kSampleUse)", "random_bits(seed, offset, kSampleUse)",
+           ("tests/test_verify.py::test_sampling_matches_reference", "tests/test_properties.py::test_verify_sampling")),
+]
+
+# Loaded into every pytest run (-p): records which qspec_ext (and _C) the tests really imported.
+PROBE = '''import os, sys
+def pytest_sessionfinish(session):
+    module = sys.modules.get("qspec_ext")
+    with open(os.environ["MUTANTS_PROBE_OUT"], "w") as f:
+        f.write(f"{module.__file__} {module._C.__file__}" if module else "")
+'''
+
+
+@dataclass
+class Outcome:
+    status: str  # "passed" (nothing failed), "killed" or "timeout"
+    seconds: float
+    first_failure: str = ""
+    summary: str = ""  # pytest's last line
+
+
+class Stale(Exception):
+    """A mutant's old snippet is not in its file exactly once: the list is out of sync with the code."""
+
+
+def mutate(text: str, m: Mutant) -> str:
+    count = text.count(m.old)
+    if count != 1:
+        raise Stale(f"{m.name}: the old snippet occurs {count} times in {m.file} (must be exactly once):\n{m.old}")
+    return text.replace(m.old, m.new)
+
+
+def make_copy(root: Path, mutant: Mutant | None, build: bool) -> None:
+    """A fresh copy of the package (and, to build, the C++ sources) under root, mutated."""
+    shutil.rmtree(root, ignore_errors=True)
+    ignore = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(REPO / PKG, root / PKG, ignore=ignore)
+    if build:
+        for name in CPP_SOURCES:
+            (shutil.copytree if (REPO / name).is_dir() else shutil.copy)(REPO / name, root / name)
+    (root / "mutants_probe.py").write_text(PROBE)
+    if mutant is not None:
+        path = root / mutant.file
+        path.write_text(mutate(path.read_text(), mutant))
+    if build:
+        proc = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=root,
+                              env=os.environ | {"QSPEC_CUDA": "0"}, capture_output=True, text=True)
+        if proc.returncode:
+            sys.exit(f"mutants: {mutant.name if mutant else 'unmutated'}: the build failed:\n{proc.stderr[-3000:]}")
+
+
+def run_tests(root: Path, args: tuple[str, ...], timeout: float) -> Outcome:
+    probe = root / "probe.txt"
+    probe.unlink(missing_ok=True)
+    env = os.environ | {"PYTHONPATH": str(root / "python") + os.pathsep + str(root), "PYTHONDONTWRITEBYTECODE": "1",
+                        "MUTANTS_PROBE_OUT": str(probe)}
+    # Test paths are absolute and the cwd is the copy, so nothing (.hypothesis/) lands in the repository.
+    args = tuple(str(REPO / a) if a.startswith("tests/") else a for a in args)
+    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "mutants_probe", *args]
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return Outcome("timeout", time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    if proc.returncode in (3, 4, 5):  # internal error, usage error, nothing collected: the list is wrong
+        sys.exit(f"mutants: pytest {' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    imported = probe.read_text() if probe.exists() else ""
+    if (imported or proc.returncode == 0) and not all(p.startswith(str(root)) for p in imported.split() or [""]):
+        sys.exit(f"mutants: the tests imported qspec_ext from {imported or '?'}, not from the copy in {root}")
+    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    if proc.returncode == 0:
+        return Outcome("passed", seconds, summary=summary)
+    failed = re.search(r"^(?:FAILED|ERROR) (\S+?)(?:::(.+?))?(?: - |$)", proc.stdout, re.M)
+    if not failed:
+        return Outcome("killed", seconds, f"(pytest exit {proc.returncode})", summary)
+    path = os.path.relpath(os.path.normpath(root / failed[1]), REPO)  # reported relative to the cwd (the copy)
+    return Outcome("killed", seconds, path + (f"::{failed[2]}" if failed[2] else ""), summary)
+
+
+def whole_files(args: tuple[str, ...]) -> tuple[str, ...]:
+    """The test files of a selection, without node ids or -k."""
+    files = [a.split("::")[0] for i, a in enumerate(args) if not a.startswith("-") and (i == 0 or args[i - 1] != "-k")]
+    return tuple(dict.fromkeys(files))
+
+
+def baseline(root: Path, mutants: list[Mutant], timeout: float) -> None:
+    """The selections must pass unmutated: node-id selections together, each -k selection alone."""
+    plain = tuple(dict.fromkeys(a for m in mutants if "-k" not in m.tests for a in m.tests))
+    keyed = list(dict.fromkeys(m.tests for m in mutants if "-k" in m.tests))
+    make_copy(root, None, build=False)
+    for args in ([plain] if plain else []) + keyed:
+        outcome = run_tests(root, args, timeout * 2)
+        if outcome.status != "passed":
+            sys.exit(f"mutants: unmutated run {outcome.status}: {outcome.first_failure or ' '.join(args)}")
+        print(f"unmutated: {outcome.summary}", flush=True)
+    print(f"unmutated: the tests import {(root / 'probe.txt').read_text()}", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these mutants")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--cpp", action="store_true", help="include the C++ mutants (a rebuild each)")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per pytest run (default 900)")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated run")
+    args = parser.parse_args()
+
+    unknown = set(args.only or ()) - {m.name for m in MUTANTS}
+    if unknown:
+        sys.exit(f"mutants: unknown mutant(s) {sorted(unknown)}; see --list")
+    chosen = [m for m in MUTANTS if (m.name in args.only if args.only else args.cpp or not m.cpp)]
+    try:  # fail before any work if the list is out of sync with the code
+        for m in chosen:
+            mutate((REPO / m.file).read_text(), m)
+    except Stale as e:
+        sys.exit(f"mutants: {e}")
+    if args.list:
+        for m in chosen:
+            print(f"{m.name:42} {m.file:34} {' '.join(m.tests)}")
+        return 0
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="qspec_mutants_") as tmp:
+        root = Path(tmp) / "copy"
+        if not args.no_baseline:
+            baseline(root, chosen, args.timeout)
+        for m in chosen:
+            try:
+                make_copy(root, m, build=m.cpp)
+            except Stale as e:  # the code changed during the run
+                print(f"mutants: {e}", file=sys.stderr)
+                rows.append((m.name, "stale", "0", "old snippet no longer found"))
+                continue
+            outcome = run_tests(root, m.tests, args.timeout)
+            widened = whole_files(m.tests)
+            if outcome.status == "passed" and widened != m.tests:
+                print(f"{m.name}: not killed by {' '.join(m.tests)}; rerunning {' '.join(widened)}", flush=True)
+                wide = run_tests(root, widened, args.timeout * 3)
+                outcome = Outcome(wide.status, outcome.seconds + wide.seconds,
+                                  wide.first_failure and wide.first_failure + " (whole file)")
+            result = "survived" if outcome.status == "passed" else outcome.status
+            rows.append((m.name, result, f"{outcome.seconds:.0f}", outcome.first_failure))
+            print(f"{m.name}: {result} ({outcome.seconds:.0f}s) {outcome.first_failure}", flush=True)
+
+    table = [("mutant", "result", "s", "first failing test")] + rows
+    widths = [max(len(r[i]) for r in table) for i in range(3)]
+    print()
+    for row in table:
+        print("  ".join(c.ljust(w) for c, w in zip(row[:3], widths)), row[3])
+    survivors = [r[0] for r in rows if r[1] != "killed"]
+    print(f"\n{len(rows) - len(survivors)} of {len(rows)} killed" + (f"; not killed: {', '.join(survivors)}" if survivors else ""))
+    return 1 if survivors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
