@@ -107,6 +107,31 @@ def test_ttt_step_one_is_the_drafters_forward(tiny_target, trained):
     assert float(loss) > float(one_step)
 
 
+def test_ttt_step_two_is_the_drafters_second_step(tiny_target, trained):
+    """TTT step 2's loss is what a draft step after prefilling pairs 0..t sees at every t (x_next
+    of pair t, the token two ahead, position t + 1), scored against the target's row t + 2."""
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(tiny_target / "target").eval()
+    target = Qwen3Target.from_pretrained(tiny_target / "target", aux_layer_ids=[2, 4, 5])
+    loaded = Eagle3Drafter.from_pretrained(tiny_target / "draft", target=target)
+    ids = torch.randint(0, hf.config.vocab_size, (1, 12))
+    draft_ids = loaded.t2d.nonzero().flatten()
+    kls = []
+    with torch.no_grad():
+        out = hf(ids, output_hidden_states=True)
+        features = torch.cat([out.hidden_states[i] for i in (2, 4, 5)], -1)
+        cos_sin = rope_cos_sin_cache(32, loaded.config.head_dim, loaded.config.rope_theta)
+        two = ttt_loss(loaded, ids, features, out.logits, 2, cos_sin)[0] - ttt_loss(loaded, ids, features, out.logits, 1, cos_sin)[0]
+        for t in range(10):  # pairs whose token two ahead exists
+            loaded.setup_caches(1, 32)
+            loaded.prefill(features[:, : t + 1], ids[:, 1 : t + 2], torch.arange(t + 1)[None])
+            step, _ = loaded.forward_pairs(loaded.state.hidden[:, None], ids[:, t + 2 : t + 3],
+                                           torch.tensor([[t + 1]]), from_features=False)
+            p = torch.softmax(out.logits[0, t + 2].float(), -1)[draft_ids]
+            p = p / p.sum()
+            kls.append((p * (p.log() - torch.log_softmax(step[0, 0].float(), -1))).sum())
+    torch.testing.assert_close(two, torch.stack(kls).mean(), atol=1e-4, rtol=1e-4)
+
+
 @pytest.fixture(scope="module")
 def trained_parallel(tiny_target):
     config = TrainConfig(steps=30, draft_vocab=120, seq_len=40, batch_size=4, lr=3e-3, seed=0, parallel=True,
