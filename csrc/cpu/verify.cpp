@@ -136,18 +136,28 @@ QSPEC_CPU_CLONES void row_weights(const float* x, const float* q, int64_t vocab,
   residual ? row_weights_impl<true>(x, q, vocab, stats, w) : row_weights_impl<false>(x, q, vocab, stats, w);
 }
 
-// Chunk sums (in double, in order) and the last positive id of each chunk.
+// Chunk sums (in double, each chunk's weights added in id order, as one CUDA thread adds
+// them) and the last positive id of each chunk. Eight chunks advance together: the same
+// sums, without one long chain of dependent adds.
 void chunk_sums(const std::vector<float>& w, double* sums, int64_t* last_positive) {
+  constexpr int kLanes = 8;
+  static_assert(kVerifyThreads % kLanes == 0);
   const int64_t vocab = static_cast<int64_t>(w.size()), size = draw_chunk_size(vocab);
-  for (int c = 0; c < kVerifyThreads; ++c) {
-    const int64_t begin = std::min(vocab, c * size), end = std::min(vocab, begin + size);
-    double sum = 0.0;
-    last_positive[c] = -1;
-    for (int64_t v = begin; v < end; ++v) {
-      sum += w[v];
-      if (w[v] > 0.f) last_positive[c] = v;
+  for (int c = 0; c < kVerifyThreads; c += kLanes) {
+    double sum[kLanes] = {};
+    int64_t last[kLanes];
+    for (int j = 0; j < kLanes; ++j) last[j] = -1;
+    for (int64_t i = 0; i < size; ++i)
+      for (int j = 0; j < kLanes; ++j) {
+        const int64_t v = (c + j) * size + i;
+        const float x = v < vocab ? w[v] : 0.f;
+        sum[j] += x;
+        last[j] = x > 0.f ? v : last[j];
+      }
+    for (int j = 0; j < kLanes; ++j) {
+      sums[c + j] = sum[j];
+      last_positive[c + j] = last[j];
     }
-    sums[c] = sum;
   }
 }
 
