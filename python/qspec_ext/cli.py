@@ -99,23 +99,22 @@ def read_prompts(args) -> list[str]:
     return prompts
 
 
-def encode_prompts(args, texts: list[str]) -> tuple[list[list[int]], int | None]:
+def encode_prompts(args, tokenizer, texts: list[str]) -> tuple[list[list[int]], int | None]:
     """Token ids of the prompts and the EOS to stop at. --chat wraps each prompt as one user turn
     with the target tokenizer's chat template (transformers AutoTokenizer) and stops at its EOS."""
     if not args.chat:
-        tokenizer = load_tokenizer(args.target)
         return [tokenizer.encode(t).ids for t in texts], eos_token_id(args.target)
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
-    if not tokenizer.chat_template:
+    chat = AutoTokenizer.from_pretrained(args.target)
+    if not chat.chat_template:
         raise ValueError(f"--chat: the tokenizer in {args.target} has no chat template")
     ids = []
     for text in texts:
-        chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+        formatted = chat.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                              tokenize=False)
-        ids.append(tokenizer(chat, add_special_tokens=False)["input_ids"])
-    eos = tokenizer.eos_token_id
+        ids.append(chat(formatted, add_special_tokens=False)["input_ids"])
+    eos = chat.eos_token_id
     return ids, eos if eos is not None else eos_token_id(args.target)
 
 
@@ -160,7 +159,7 @@ def cmd_generate(args) -> int:
     resolve_models(args)
     tokenizer = load_tokenizer(args.target)
     texts = read_prompts(args)
-    prompts, eos = encode_prompts(args, texts)
+    prompts, eos = encode_prompts(args, tokenizer, texts)
     target, drafter = load_pair(args.target, args.draft, args.device, args.dtype, args.hf_target)
     decoder = SpeculativeDecoder(target, drafter, args.k)
     result = decoder.generate(prompts, args.max_new_tokens, eos_token_id=eos, **sampling_args(args))
@@ -180,7 +179,7 @@ def cmd_bench(args) -> int:
     from tqdm import tqdm
 
     resolve_models(args)
-    prompts, eos = encode_prompts(args, read_prompts(args))
+    prompts, eos = encode_prompts(args, load_tokenizer(args.target), read_prompts(args))
     target, drafter = load_pair(args.target, args.draft, args.device, args.dtype, args.hf_target)
     runs = {}
     common = dict(max_new_tokens=args.max_new_tokens, eos_token_id=eos, **sampling_args(args))
