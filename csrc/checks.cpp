@@ -357,6 +357,53 @@ void check_verify_out(std::string_view op, const at::Tensor& out_ids, const at::
   check_vector(op, "num_accepted", num_accepted, shape.batch, target_logits, {at::kLong});
 }
 
+TreeVerifyShape check_verify_tree(std::string_view op, const at::Tensor& draft_ids, const at::Tensor& parents,
+                                  const at::Tensor& target_logits, const std::optional<at::Tensor>& temperature,
+                                  const std::optional<at::Tensor>& seed, const std::optional<at::Tensor>& offset) {
+  TreeVerifyShape s{};
+  QSPEC_CHECK(draft_ids.dim() == 2, op, "draft_ids", "must have shape [batch, num_nodes], got ", draft_ids.sizes());
+  QSPEC_CHECK(draft_ids.scalar_type() == at::kLong, op, "draft_ids", "must be int64, got ", draft_ids.scalar_type());
+  s.batch = draft_ids.size(0);
+  const int64_t n = draft_ids.size(1);
+  check_launch_size(op, "draft_ids", s.batch * (n + 1), "batch * (num_nodes + 1) (one block per target row)");
+  s.num_nodes = static_cast<int>(n);
+  check_activation(op, "target_logits", target_logits);
+  check_same_device(op, "draft_ids", draft_ids, target_logits);
+  check_same_device(op, "parents", parents, target_logits);
+  QSPEC_CHECK(parents.scalar_type() == at::kInt || parents.scalar_type() == at::kLong, op, "parents",
+              "must be int32 or int64, got ", parents.scalar_type());
+  QSPEC_CHECK(parents.sizes() == draft_ids.sizes(), op, "parents", "must have the shape of draft_ids ",
+              draft_ids.sizes(), ", got ", parents.sizes());
+  QSPEC_CHECK(parents.is_contiguous(), op, "parents", "must be contiguous, got strides ", parents.strides());
+  QSPEC_CHECK(target_logits.dim() == 3 && target_logits.size(0) == s.batch && target_logits.size(1) == n + 1, op,
+              "target_logits", "must have shape [batch, num_nodes + 1, vocab] = [", s.batch, ", ", n + 1,
+              ", vocab], got ", target_logits.sizes());
+  QSPEC_CHECK(target_logits.stride(2) == 1, op, "target_logits",
+              "must have a contiguous last dimension, got strides ", target_logits.strides());
+  s.vocab = target_logits.size(2);
+  QSPEC_CHECK(s.vocab >= 1 && s.vocab < (int64_t{1} << 31), op, "target_logits",
+              "must have a vocab size in [1, 2^31), got ", s.vocab);
+  if (temperature.has_value()) check_vector(op, "temperature", *temperature, s.batch, target_logits, {at::kFloat});
+  if (seed.has_value()) check_vector(op, "seed", *seed, s.batch, target_logits, {at::kLong});
+  if (offset.has_value()) check_vector(op, "offset", *offset, s.batch, target_logits, {at::kLong});
+  return s;
+}
+
+void check_verify_tree_out(std::string_view op, const at::Tensor& out_ids, const at::Tensor& num_accepted,
+                           const at::Tensor& path, const TreeVerifyShape& shape, const at::Tensor& target_logits) {
+  for (const auto& [name, t] : {std::pair<std::string_view, const at::Tensor&>{"out_ids", out_ids}, {"path", path}}) {
+    check_same_device(op, name, t, target_logits);
+    QSPEC_CHECK(t.scalar_type() == at::kLong, op, name, "must be int64, got ", t.scalar_type());
+    QSPEC_CHECK(t.dim() == 2 && t.size(0) == shape.batch && t.size(1) == shape.num_nodes + 1, op, name,
+                "must have shape [", shape.batch, ", ", shape.num_nodes + 1, "], got ", t.sizes());
+    QSPEC_CHECK(t.is_contiguous(), op, name, "must be contiguous, got strides ", t.strides());
+  }
+  check_vector(op, "num_accepted", num_accepted, shape.batch, target_logits, {at::kLong});
+  check_no_overlap(op, "out_ids", out_ids, "path", path);
+  check_no_overlap(op, "out_ids", out_ids, "num_accepted", num_accepted);
+  check_no_overlap(op, "path", path, "num_accepted", num_accepted);
+}
+
 void check_eagle3_input_norm(const at::Tensor& embeds, const at::Tensor& hidden, const at::Tensor& embed_weight,
                              const at::Tensor& hidden_weight) {
   constexpr std::string_view op = "eagle3_input_norm";

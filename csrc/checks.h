@@ -110,6 +110,23 @@ VerifyShape check_verify(std::string_view op, const at::Tensor& draft_ids, const
 void check_verify_out(std::string_view op, const at::Tensor& out_ids, const at::Tensor& num_accepted,
                       const VerifyShape& shape, const at::Tensor& target_logits);
 
+// Shapes of one verify_tree_greedy / verify_tree_sampling call, validated.
+struct TreeVerifyShape {
+  int64_t batch;  // B
+  int num_nodes;  // N
+  int64_t vocab;  // V
+};
+
+// draft_ids [B, N] int64, parents [B, N] int32/int64 contiguous, target_logits [B, N+1, V];
+// the sampling vectors when given. Values (parents topological, ids in range) are checked by
+// the device halves.
+TreeVerifyShape check_verify_tree(std::string_view op, const at::Tensor& draft_ids, const at::Tensor& parents,
+                                  const at::Tensor& target_logits, const std::optional<at::Tensor>& temperature,
+                                  const std::optional<at::Tensor>& seed, const std::optional<at::Tensor>& offset);
+// out_ids [B, N+1], num_accepted [B], path [B, N+1]: int64, contiguous, on the logits' device.
+void check_verify_tree_out(std::string_view op, const at::Tensor& out_ids, const at::Tensor& num_accepted,
+                           const at::Tensor& path, const TreeVerifyShape& shape, const at::Tensor& target_logits);
+
 void check_eagle3_input_norm(const at::Tensor& embeds, const at::Tensor& hidden, const at::Tensor& embed_weight,
                              const at::Tensor& hidden_weight);
 

@@ -58,4 +58,13 @@ void verify_cuda(std::string_view op, const at::Tensor& draft_ids, const std::op
                  const std::optional<at::Tensor>& d2t, const std::optional<at::Tensor>& num_draft,
                  const VerifyShape& s, at::Tensor& out_ids, at::Tensor& num_accepted);
 
+void verify_tree_cpu(std::string_view op, const at::Tensor& draft_ids, const at::Tensor& parents,
+                     const at::Tensor& target_logits, const std::optional<at::Tensor>& temperature,
+                     const std::optional<at::Tensor>& seed, const std::optional<at::Tensor>& offset,
+                     const TreeVerifyShape& s, at::Tensor& out_ids, at::Tensor& num_accepted, at::Tensor& path);
+void verify_tree_cuda(std::string_view op, const at::Tensor& draft_ids, const at::Tensor& parents,
+                      const at::Tensor& target_logits, const std::optional<at::Tensor>& temperature,
+                      const std::optional<at::Tensor>& seed, const std::optional<at::Tensor>& offset,
+                      const TreeVerifyShape& s, at::Tensor& out_ids, at::Tensor& num_accepted, at::Tensor& path);
+
 }  // namespace qspec_ext

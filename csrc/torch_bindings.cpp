@@ -39,4 +39,18 @@ TORCH_LIBRARY(qspec_ext, m) {
   m.def(
       "verify_sampling_out(Tensor draft_ids, Tensor? draft_probs, Tensor target_logits, Tensor temperature, "
       "Tensor seed, Tensor offset, Tensor? d2t, Tensor? num_draft, Tensor(a!) out_ids, Tensor(b!) num_accepted) -> ()");
+
+  // Tree verification (EAGLE-2/3 draft trees): parents [B, N] (parent of node i+1 in [0, i], -1 unused),
+  // target_logits [B, N+1, V]; walks from the root following the target's token at each node.
+  m.def("verify_tree_greedy(Tensor draft_ids, Tensor parents, Tensor target_logits) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "verify_tree_greedy_out(Tensor draft_ids, Tensor parents, Tensor target_logits, Tensor(a!) out_ids, "
+      "Tensor(b!) num_accepted, Tensor(c!) path) -> ()");
+  // The same walk with the target's token drawn from softmax(row / temperature), keyed by (seed, offset + depth).
+  m.def(
+      "verify_tree_sampling(Tensor draft_ids, Tensor parents, Tensor target_logits, Tensor temperature, "
+      "Tensor seed, Tensor offset) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "verify_tree_sampling_out(Tensor draft_ids, Tensor parents, Tensor target_logits, Tensor temperature, "
+      "Tensor seed, Tensor offset, Tensor(a!) out_ids, Tensor(b!) num_accepted, Tensor(c!) path) -> ()");
 }

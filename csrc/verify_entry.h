@@ -71,6 +71,93 @@ void verify_sampling_out_entry(const at::Tensor& draft_ids, const std::optional<
        out_ids, num_accepted);
 }
 
+// ---- tree verification ----
+
+// The device half: validated shapes in, out_ids [B, N+1], num_accepted [B] and path [B, N+1]
+// filled. The values (parents, draft ids, temperatures) are checked by the device half.
+using TreeVerifyImpl = void (*)(std::string_view op, const at::Tensor& draft_ids, const at::Tensor& parents,
+                                const at::Tensor& target_logits, const std::optional<at::Tensor>& temperature,
+                                const std::optional<at::Tensor>& seed, const std::optional<at::Tensor>& offset,
+                                const TreeVerifyShape& s, at::Tensor& out_ids, at::Tensor& num_accepted,
+                                at::Tensor& path);
+
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_outputs(const TreeVerifyShape& s, const at::Tensor& ids) {
+  return {at::empty({s.batch, s.num_nodes + 1}, ids.options()), at::empty({s.batch}, ids.options()),
+          at::empty({s.batch, s.num_nodes + 1}, ids.options())};
+}
+
+template <TreeVerifyImpl impl>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_greedy_entry(const at::Tensor& draft_ids,
+                                                                        const at::Tensor& parents,
+                                                                        const at::Tensor& target_logits) {
+  const TreeVerifyShape s = check_verify_tree("verify_tree_greedy", draft_ids, parents, target_logits, {}, {}, {});
+  auto [out_ids, num_accepted, path] = tree_outputs(s, draft_ids);
+  impl("verify_tree_greedy", draft_ids, parents, target_logits, {}, {}, {}, s, out_ids, num_accepted, path);
+  return {out_ids, num_accepted, path};
+}
+
+template <TreeVerifyImpl impl>
+void verify_tree_greedy_out_entry(const at::Tensor& draft_ids, const at::Tensor& parents,
+                                  const at::Tensor& target_logits, at::Tensor& out_ids, at::Tensor& num_accepted,
+                                  at::Tensor& path) {
+  const TreeVerifyShape s = check_verify_tree("verify_tree_greedy_out", draft_ids, parents, target_logits, {}, {}, {});
+  check_verify_tree_out("verify_tree_greedy_out", out_ids, num_accepted, path, s, target_logits);
+  impl("verify_tree_greedy_out", draft_ids, parents, target_logits, {}, {}, {}, s, out_ids, num_accepted, path);
+}
+
+template <TreeVerifyImpl impl>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_sampling_entry(
+    const at::Tensor& draft_ids, const at::Tensor& parents, const at::Tensor& target_logits,
+    const at::Tensor& temperature, const at::Tensor& seed, const at::Tensor& offset) {
+  const TreeVerifyShape s =
+      check_verify_tree("verify_tree_sampling", draft_ids, parents, target_logits, temperature, seed, offset);
+  auto [out_ids, num_accepted, path] = tree_outputs(s, draft_ids);
+  impl("verify_tree_sampling", draft_ids, parents, target_logits, temperature, seed, offset, s, out_ids,
+       num_accepted, path);
+  return {out_ids, num_accepted, path};
+}
+
+template <TreeVerifyImpl impl>
+void verify_tree_sampling_out_entry(const at::Tensor& draft_ids, const at::Tensor& parents,
+                                    const at::Tensor& target_logits, const at::Tensor& temperature,
+                                    const at::Tensor& seed, const at::Tensor& offset, at::Tensor& out_ids,
+                                    at::Tensor& num_accepted, at::Tensor& path) {
+  const TreeVerifyShape s =
+      check_verify_tree("verify_tree_sampling_out", draft_ids, parents, target_logits, temperature, seed, offset);
+  check_verify_tree_out("verify_tree_sampling_out", out_ids, num_accepted, path, s, target_logits);
+  impl("verify_tree_sampling_out", draft_ids, parents, target_logits, temperature, seed, offset, s, out_ids,
+       num_accepted, path);
+}
+
+// Raw pointers for the tree kernels; tokens is a [B, N+1] int64 workspace or undefined (CPU).
+template <typename T>
+TreeVerifyParams<T> tree_verify_params(const at::Tensor& draft_ids, const at::Tensor& parents,
+                                       const at::Tensor& target_logits, const std::optional<at::Tensor>& temperature,
+                                       const std::optional<at::Tensor>& seed, const std::optional<at::Tensor>& offset,
+                                       const TreeVerifyShape& s, at::Tensor& tokens, at::Tensor& out_ids,
+                                       at::Tensor& num_accepted, at::Tensor& path) {
+  TreeVerifyParams<T> p{};
+  p.draft_ids = draft_ids.const_data_ptr<int64_t>();
+  p.draft_stride = draft_ids.stride(0);
+  p.draft_col_stride = draft_ids.stride(1);
+  p.parents = parents.const_data_ptr();
+  p.parents_i64 = parents.scalar_type() == at::kLong;
+  p.logits = target_logits.const_data_ptr<T>();
+  p.logits_stride_b = target_logits.stride(0);
+  p.logits_stride_i = target_logits.stride(1);
+  p.temperature = temperature.has_value() ? temperature->const_data_ptr<float>() : nullptr;
+  p.seed = seed.has_value() ? seed->const_data_ptr<int64_t>() : nullptr;
+  p.offset = offset.has_value() ? offset->const_data_ptr<int64_t>() : nullptr;
+  p.tokens = tokens.defined() ? tokens.data_ptr<int64_t>() : nullptr;
+  p.out_ids = out_ids.data_ptr<int64_t>();
+  p.num_accepted = num_accepted.data_ptr<int64_t>();
+  p.path = path.data_ptr<int64_t>();
+  p.batch = s.batch;
+  p.num_nodes = s.num_nodes;
+  p.vocab = s.vocab;
+  return p;
+}
+
 // Raw pointers for the kernels; rows is a workspace the caller owns.
 template <typename T>
 VerifyParams<T> verify_params(const at::Tensor& draft_ids, const std::optional<at::Tensor>& draft_probs,

@@ -1,26 +1,31 @@
 """Reproduces the demo pair shipped in python/qspec_ext/demo_pair/ (deterministic: fixed seeds).
 
-    python scripts/make_demo_pair.py [--out python/qspec_ext/demo_pair] [--target-steps 600] [--drafter-steps 1200]
+    python scripts/make_demo_pair.py [--out python/qspec_ext/demo_pair]
 
 1. corpus: the standard library's .py files, 1 in 10 held out (qspec_ext.demo.stdlib_files);
-2. a byte-level BPE tokenizer (vocab 4096) trained with `tokenizers`;
-3. a small Qwen3 target (8 layers, hidden 192, GQA 3/1 heads of 64, q/k norm) trained from scratch;
-4. a Qwen3-architecture EAGLE-3 drafter (draft vocab 2048) trained with `qspec train-drafter`;
-weights saved in bf16. On the 2-core CPU of the dev machine this takes about 25 minutes
-without other load (the target about 10, the drafter about 12).
+2. a byte-level BPE tokenizer (vocab 512) trained with `tokenizers`;
+3. a small Qwen3 target (8 layers, hidden 192, GQA 3/1 heads of 64, q/k norm) trained from
+   scratch on 512-token windows, its held-out cross-entropy measured every 250 steps;
+4. two Qwen3-architecture EAGLE-3 drafters for it (draft vocab 256), trained with
+   `qspec_ext.train.train_drafter`: `draft` a chain drafter with 7 TTT steps, `draft-parallel`
+   a P-EAGLE drafter (parallel drafting, COD depth 8);
+weights saved in bf16, and the loss curves in loss_curves.json / loss_curves.png.
+On the 2-core CPU of the dev machine this takes about 75 minutes (see the README).
 """
 
 import argparse
+import json
 import math
 import time
 from pathlib import Path
 
 import torch
 
-from qspec_ext.demo import stdlib_files
-from qspec_ext.train import TrainConfig, batches, token_stream, train_drafter
+from qspec_ext.demo import heldout_cross_entropy, stdlib_files
+from qspec_ext.train import TrainConfig, batches, train_drafter
 
 EOS = "<|endoftext|>"
+VOCAB = 512
 
 
 def train_tokenizer(files, out_dir: Path):
@@ -30,20 +35,20 @@ def train_tokenizer(files, out_dir: Path):
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=4096, special_tokens=[EOS],
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=[EOS],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tokenizer.train([str(f) for f in files], trainer)
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS).save_pretrained(out_dir)
     return tokenizer
 
 
-def train_target(tokenizer, files, out_dir: Path, steps: int):
+def train_target(tokenizer, files, out_dir: Path, steps: int, curves: dict):
     from tqdm import tqdm
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
     eos = tokenizer.token_to_id(EOS)
-    config = Qwen3Config(vocab_size=4096, hidden_size=192, intermediate_size=384, num_hidden_layers=8,
+    config = Qwen3Config(vocab_size=VOCAB, hidden_size=192, intermediate_size=384, num_hidden_layers=8,
                          num_attention_heads=3, num_key_value_heads=1, head_dim=64, max_position_embeddings=2048,
                          rope_theta=10000.0, tie_word_embeddings=True, eos_token_id=eos, bos_token_id=eos)
     model = Qwen3ForCausalLM(config)
@@ -52,10 +57,11 @@ def train_target(tokenizer, files, out_dir: Path, steps: int):
         stream += tokenizer.encode(f.read_text(errors="replace")).ids + [eos]
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.05)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s / steps, 1.0))))
-    data = batches(stream, 257, 16, seed=0)
-    bar = tqdm(range(steps), desc="train-target")
-    for _ in bar:
+        optimizer, lambda s: min(1.0, (s + 1) / 100) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(s / steps, 1.0)))))
+    data = batches(stream, 513, 8, seed=0)
+    curve = curves["target"] = {"step": [], "train_loss": [], "eval_step": [], "heldout_nats_per_token": []}
+    bar = tqdm(range(steps), desc="train-target", mininterval=30)
+    for step in bar:
         ids = next(data)
         loss = model(ids, labels=ids).loss
         optimizer.zero_grad(set_to_none=True)
@@ -63,33 +69,83 @@ def train_target(tokenizer, files, out_dir: Path, steps: int):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
+        curve["step"].append(step)
+        curve["train_loss"].append(loss.item())
+        if (step + 1) % 250 == 0 or step + 1 == steps:
+            model.eval()
+            ce, _ = heldout_cross_entropy(model, tokenizer)
+            model.train()
+            curve["eval_step"].append(step + 1)
+            curve["heldout_nats_per_token"].append(ce)
+            print(f"step {step + 1}: held-out cross-entropy {ce:.3f} nats/token", flush=True)
         bar.set_postfix(loss=f"{float(loss):.3f}")
     model.to(torch.bfloat16).save_pretrained(out_dir)
     GenerationConfig(eos_token_id=eos, bos_token_id=eos).save_pretrained(out_dir)
 
 
+def train_shipped_drafter(out: Path, name: str, files, config: TrainConfig, curves: dict):
+    from qspec_ext import Eagle3Drafter, Qwen3Target
+
+    _, history = train_drafter(out / "target", files, out / name, config)
+    curves[name] = {"loss": [h[0] for h in history], "accuracy_per_step": [h[1] for h in history]}
+    # Ship bf16 weights, like the target.
+    target = Qwen3Target.from_pretrained(out / "target")
+    Eagle3Drafter.from_pretrained(out / name, dtype=torch.bfloat16, target=target).save_pretrained(out / name)
+
+
+def plot_curves(curves: dict, path: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    if "target" in curves:
+        t = curves["target"]
+        axes[0].plot(t["step"], t["train_loss"], lw=0.5, alpha=0.6, label="train (one batch)")
+        axes[0].plot(t["eval_step"], t["heldout_nats_per_token"], "o-", label="held out")
+        axes[0].set(title="target: cross-entropy", xlabel="step", ylabel="nats/token")
+        axes[0].legend()
+    for ax, name in zip(axes[1:], ("draft", "draft-parallel")):
+        if name not in curves:
+            continue
+        accuracy = list(zip(*curves[name]["accuracy_per_step"]))
+        for i, acc in enumerate(accuracy):
+            ax.plot(acc, lw=0.5, label=f"{'step' if name == 'draft' else 'depth'} {i + 1}")
+        ax.set(title=f"{name}: top-1 agreement with the target", xlabel="step", ylim=(0, 1))
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "python/qspec_ext/demo_pair"))
-    parser.add_argument("--target-steps", type=int, default=600)
-    parser.add_argument("--drafter-steps", type=int, default=1200)
+    parser.add_argument("--target-steps", type=int, default=2000)
+    parser.add_argument("--drafter-steps", type=int, default=1000)
     parser.add_argument("--skip-target", action="store_true", help="reuse the target already in --out")
+    parser.add_argument("--only", choices=["draft", "draft-parallel"], help="train only this drafter")
     args = parser.parse_args()
-    torch.set_num_threads(max(torch.get_num_threads(), 1))
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    curves_path = out / "loss_curves.json"
+    curves = json.loads(curves_path.read_text()) if curves_path.is_file() else {}
     train_files = stdlib_files("train")
     start = time.time()
     if not args.skip_target:
         tokenizer = train_tokenizer(train_files, out / "target")
-        train_target(tokenizer, train_files, out / "target", args.target_steps)
-    config = TrainConfig(steps=args.drafter_steps, ttt_steps=3, draft_vocab=2048, arch="qwen3", seq_len=256,
-                         batch_size=8, lr=2e-3, seed=0)
-    drafter, _ = train_drafter(out / "target", train_files, out / "draft", config)
-    # Ship bf16 weights, like the target.
-    from qspec_ext import Eagle3Drafter, Qwen3Target
-
-    target = Qwen3Target.from_pretrained(out / "target")
-    Eagle3Drafter.from_pretrained(out / "draft", dtype=torch.bfloat16, target=target).save_pretrained(out / "draft")
+        train_target(tokenizer, train_files, out / "target", args.target_steps, curves)
+        print(f"target trained in {time.time() - start:.0f} s", flush=True)
+    common = dict(steps=args.drafter_steps, draft_vocab=256, arch="qwen3", seq_len=256, batch_size=8, lr=2e-3, seed=0)
+    drafters = {"draft": TrainConfig(ttt_steps=7, **common),
+                "draft-parallel": TrainConfig(parallel=True, parallel_depth=8, **common)}
+    for name, config in drafters.items():
+        if args.only in (None, name):
+            began = time.time()
+            train_shipped_drafter(out, name, train_files, config, curves)
+            print(f"{name} trained in {time.time() - began:.0f} s", flush=True)
+    curves_path.write_text(json.dumps(curves))
+    plot_curves(curves, out / "loss_curves.png")
     print(f"demo pair written to {out} in {time.time() - start:.0f} s")
 
 

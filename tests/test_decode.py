@@ -142,7 +142,7 @@ class OracleDrafter:
     def prefill(self, features, tokens, positions, normalized=False, max_position=None):
         self.inner.prefill(features, tokens, positions, normalized, max_position)
 
-    def draft(self, k):
+    def draft(self, k, parallel=None):
         newest = self.inner.state.next_position.tolist()  # position of the newest token
         rows = []
         for b, s in enumerate(newest):

@@ -178,6 +178,32 @@ int64_t draw(const std::vector<float>& w, const double* sums, const int64_t* las
   return last_positive[choice.chunk];  // rounding let the walk pass the chunk
 }
 
+// One thread's buffers for draws.
+struct DrawScratch {
+  std::vector<float> x, q, w;
+  double sums[kVerifyThreads];
+  int64_t last_positive[kVerifyThreads];
+};
+
+// One draw at uniform u from a row whose logits / temperature have softmax statistics
+// `stats`: from p, or with q given from normalize(max(0, p - q)), falling back to p where
+// p <= q everywhere.
+template <typename T>
+int64_t sample_row(const T* logits, int64_t vocab, float temperature, SoftmaxStats stats, const float* q, double u,
+                   DrawScratch& s) {
+  s.x.resize(vocab);
+  s.w.resize(vocab);
+  for (int64_t v = 0; v < vocab; ++v) s.x[v] = static_cast<float>(logits[v]) / temperature;
+  const bool residual = q != nullptr;
+  row_weights(s.x.data(), q, vocab, residual, stats, s.w.data());
+  chunk_sums(s.w, s.sums, s.last_positive);
+  if (residual && !(chunk_total(s.sums) > 0.0)) {
+    row_weights(s.x.data(), nullptr, vocab, false, stats, s.w.data());
+    chunk_sums(s.w, s.sums, s.last_positive);
+  }
+  return draw(s.w, s.sums, s.last_positive, u);
+}
+
 template <typename T>
 void verify_cpu_impl(const VerifyParams<T>& p) {
   const int rows_per_request = p.num_draft_max + 1;
@@ -202,9 +228,7 @@ void verify_cpu_impl(const VerifyParams<T>& p) {
   });
   // Steps 2 and 3.
   at::parallel_for(0, p.batch, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> x, q, w;
-    double sums[kVerifyThreads];
-    int64_t last_positive[kVerifyThreads];
+    DrawScratch scratch;
     for (int64_t b = begin; b < end; ++b) {
       const int n = num_draft_of(p, b);
       const float temperature = temperature_of(p, b);
@@ -216,11 +240,9 @@ void verify_cpu_impl(const VerifyParams<T>& p) {
       int64_t token = rows[j].argmax.index;
       if (decision.emit != VerifyEmit::kArgmax) {
         const T* logits = p.logits + b * p.logits_stride_b + j * p.logits_stride_i;
-        x.resize(V);
-        w.resize(V);
-        for (int64_t v = 0; v < V; ++v) x[v] = static_cast<float>(logits[v]) / temperature;
         const float* q_row = nullptr;
         if (decision.emit == VerifyEmit::kResidual) {
+          std::vector<float>& q = scratch.q;
           q.assign(V, 0.f);
           if (p.draft_probs == nullptr) {
             q[drafts[j * p.draft_col_stride]] = 1.f;
@@ -231,20 +253,22 @@ void verify_cpu_impl(const VerifyParams<T>& p) {
           }
           q_row = q.data();
         }
-        bool residual = decision.emit == VerifyEmit::kResidual;
-        row_weights(x.data(), q_row, V, residual, rows[j].softmax, w.data());
-        chunk_sums(w, sums, last_positive);
-        if (residual && !(chunk_total(sums) > 0.0)) {  // p <= q everywhere: fall back to p itself
-          row_weights(x.data(), nullptr, V, false, rows[j].softmax, w.data());
-          chunk_sums(w, sums, last_positive);
-        }
-        token = draw(w, sums, last_positive, uniform_01(random_bits(seed, offset + j, kSampleUse)));
+        token = sample_row(logits, V, temperature, rows[j].softmax, q_row,
+                           uniform_01(random_bits(seed, offset + j, kSampleUse)), scratch);
       }
       int64_t* out = p.out_ids + b * rows_per_request;
       for (int i = 0; i < rows_per_request; ++i) out[i] = i < j ? drafts[i * p.draft_col_stride] : (i == j ? token : -1);
       p.num_accepted[b] = j;
     }
   });
+}
+
+void check_temperatures(std::string_view op, const std::optional<at::Tensor>& temperature, int64_t batch) {
+  if (!temperature.has_value()) return;
+  const float* t = temperature->const_data_ptr<float>();
+  for (int64_t b = 0; b < batch; ++b)
+    QSPEC_CHECK(t[b] >= 0.f && t[b] < INFINITY, op, "temperature", "must hold finite values >= 0 (0 = greedy), got ",
+                t[b], " at index ", b);
 }
 
 // Value checks done before any work; CUDA checks the same in its kernels.
@@ -262,12 +286,7 @@ void check_verify_values(std::string_view op, const at::Tensor& draft_ids, const
                   x, " at [", b, ", ", i, "]");
     }
   }
-  if (temperature.has_value()) {
-    const float* t = temperature->const_data_ptr<float>();
-    for (int64_t b = 0; b < s.batch; ++b)
-      QSPEC_CHECK(t[b] >= 0.f && t[b] < INFINITY, op, "temperature",
-                  "must hold finite values >= 0 (0 = greedy), got ", t[b], " at index ", b);
-  }
+  check_temperatures(op, temperature, s.batch);
   if (d2t.has_value()) {
     int64_t previous = -1;
     for (int64_t d = 0; d < s.draft_vocab; ++d) {
@@ -282,6 +301,57 @@ void check_verify_values(std::string_view op, const at::Tensor& draft_ids, const
   }
 }
 
+
+// The walk of walk_tree per request, in parallel over requests; only the rows on the path
+// are read (the CUDA kernels compute every node's token first: the same tokens).
+template <typename T>
+void verify_tree_cpu_impl(const TreeVerifyParams<T>& p) {
+  const int N = p.num_nodes;
+  at::parallel_for(0, p.batch, 1, [&](int64_t begin, int64_t end) {
+    DrawScratch scratch;
+    for (int64_t b = begin; b < end; ++b) {
+      const float temperature = p.temperature == nullptr ? 0.f : p.temperature[b];
+      const int64_t seed = p.seed != nullptr ? p.seed[b] : 0, offset = p.offset != nullptr ? p.offset[b] : 0;
+      const auto parent = [&](int i) {
+        const int64_t at = b * N + i;
+        return p.parents_i64 ? static_cast<const int64_t*>(p.parents)[at]
+                             : static_cast<int64_t>(static_cast<const int32_t*>(p.parents)[at]);
+      };
+      const auto draft = [&](int i) { return p.draft_ids[b * p.draft_stride + i * p.draft_col_stride]; };
+      const auto token = [&](int node, int depth) -> int64_t {
+        const T* logits = p.logits + b * p.logits_stride_b + node * p.logits_stride_i;
+        const VerifyRowStats stats = row_stats(logits, p.vocab, temperature);
+        if (temperature == 0.f || !row_has_distribution(stats)) return stats.argmax.index;
+        return sample_row(logits, p.vocab, temperature, stats.softmax, nullptr,
+                          uniform_01(random_bits(seed, offset + depth, kSampleUse)), scratch);
+      };
+      p.num_accepted[b] = walk_tree(N, parent, draft, token, p.out_ids + b * (N + 1), p.path + b * (N + 1));
+    }
+  });
+}
+
+// parents topological (node i + 1's parent in [0, i], or -1), no used node under an unused
+// one, draft ids of used nodes in the vocab, temperatures finite and >= 0: before any work.
+void check_tree_values(std::string_view op, const at::Tensor& draft_ids, const at::Tensor& parents,
+                       const TreeVerifyShape& s, const std::optional<at::Tensor>& temperature) {
+  const int64_t N = s.num_nodes;
+  const int64_t* ids = draft_ids.const_data_ptr<int64_t>();
+  for (int64_t b = 0; b < s.batch; ++b)
+    for (int64_t i = 0; i < N; ++i) {
+      const int64_t parent = read_index(parents, b * N + i);
+      QSPEC_CHECK(parent >= -1 && parent <= i, op, "parents",
+                  "must hold the parent of node i + 1 in [0, i] (nodes in topological order) or -1 (unused), got ",
+                  parent, " at [", b, ", ", i, "]");
+      if (parent == -1) continue;
+      QSPEC_CHECK(parent == 0 || read_index(parents, b * N + parent - 1) != -1, op, "parents",
+                  "must not hang a node under an unused one: node ", i + 1, " has parent ", parent,
+                  ", which is unused, at [", b, ", ", i, "]");
+      const int64_t x = ids[b * draft_ids.stride(0) + i * draft_ids.stride(1)];
+      QSPEC_CHECK(x >= 0 && x < s.vocab, op, "draft_ids", "must hold target-vocab ids in [0, ", s.vocab,
+                  ") at used nodes, got ", x, " at [", b, ", ", i, "]");
+    }
+  check_temperatures(op, temperature, s.batch);
+}
 }  // namespace
 
 void verify_cpu(std::string_view op, const at::Tensor& draft_ids, const std::optional<at::Tensor>& draft_probs,
@@ -301,11 +371,30 @@ void verify_cpu(std::string_view op, const at::Tensor& draft_ids, const std::opt
   });
 }
 
+void verify_tree_cpu(std::string_view op, const at::Tensor& draft_ids, const at::Tensor& parents,
+                     const at::Tensor& target_logits, const std::optional<at::Tensor>& temperature,
+                     const std::optional<at::Tensor>& seed, const std::optional<at::Tensor>& offset,
+                     const TreeVerifyShape& s, at::Tensor& out_ids, at::Tensor& num_accepted, at::Tensor& path) {
+  QSPEC_CHECK(target_logits.device().is_cpu(), op, "target_logits", "must be a CPU tensor for the CPU kernel, got ",
+              target_logits.device());
+  check_tree_values(op, draft_ids, parents, s, temperature);
+  if (s.batch == 0) return;
+  at::Tensor no_workspace;
+  QSPEC_DISPATCH_ACTIVATION(target_logits.scalar_type(), "verify_tree_cpu", [&] {
+    verify_tree_cpu_impl(tree_verify_params<scalar_t>(draft_ids, parents, target_logits, temperature, seed, offset, s,
+                                                      no_workspace, out_ids, num_accepted, path));
+  });
+}
+
 TORCH_LIBRARY_IMPL(qspec_ext, CPU, m) {
   m.impl("verify_greedy", &verify_greedy_entry<verify_cpu>);
   m.impl("verify_greedy_out", &verify_greedy_out_entry<verify_cpu>);
   m.impl("verify_sampling", &verify_sampling_entry<verify_cpu>);
   m.impl("verify_sampling_out", &verify_sampling_out_entry<verify_cpu>);
+  m.impl("verify_tree_greedy", &verify_tree_greedy_entry<verify_tree_cpu>);
+  m.impl("verify_tree_greedy_out", &verify_tree_greedy_out_entry<verify_tree_cpu>);
+  m.impl("verify_tree_sampling", &verify_tree_sampling_entry<verify_tree_cpu>);
+  m.impl("verify_tree_sampling_out", &verify_tree_sampling_out_entry<verify_tree_cpu>);
 }
 
 }  // namespace qspec_ext

@@ -63,6 +63,110 @@ __device__ __forceinline__ void warp_argmax(ArgMax& a) {
   }
 }
 
+// The argmax of a row (torch.argmax semantics), returned to every thread.
+template <typename T>
+__device__ ArgMax block_argmax(const T* logits, int64_t vocab) {
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  ArgMax best{-INFINITY, vocab};
+  for (int64_t v = threadIdx.x; v < vocab; v += kThreads) argmax_update(best, static_cast<float>(logits[v]), v);
+  warp_argmax(best);
+  __shared__ ArgMax warp_best[kWarps];
+  __shared__ ArgMax row_best;
+  if (lane == 0) warp_best[warp] = best;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    row_best = warp_best[0];
+    for (int w = 1; w < kWarps; ++w) argmax_update(row_best, warp_best[w].value, warp_best[w].index);
+  }
+  __syncthreads();
+  return row_best;
+}
+
+// The softmax sum of logits / temperature at max_x, in the shared order; valid in thread 0.
+template <typename T>
+__device__ float block_softmax_sum(const T* logits, int64_t vocab, float temperature, float max_x) {
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  float sum = 0.f;
+  for (int64_t v = threadIdx.x; v < vocab; v += kThreads)
+    sum = add_rn(sum, exp_nonpositive(static_cast<float>(logits[v]) / temperature - max_x));
+  sum = warp_sum(sum);
+  __shared__ float warp_sums[kWarps];
+  if (lane == 0) warp_sums[warp] = sum;
+  __syncthreads();
+  float total = warp_sums[0];
+  if (threadIdx.x == 0)
+    for (int w = 1; w < kWarps; ++w) total = add_rn(total, warp_sums[w]);
+  return total;
+}
+
+// One inverse-CDF draw at uniform u over the weights weight(v, cursor) of ids [0, vocab), in
+// two levels: thread c sums the weights of chunk c in order (double), thread 0 picks the chunk
+// holding u * total, warp 0 scans it 32 ids at a time. start(v) gives a weight cursor for ids
+// from v on. Returns the id to every thread, or -1 when no weight is positive.
+template <typename Weight, typename Start>
+__device__ int64_t block_draw(int64_t vocab, double u, Weight weight, Start start) {
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int64_t size = draw_chunk_size(vocab);
+  __shared__ double sums[kThreads];
+  __shared__ int64_t last_positive[kThreads];
+  __shared__ DrawChoice choice;
+  __shared__ double target;
+  __shared__ int64_t token;
+  __shared__ bool empty;
+  {
+    const int64_t begin = min(vocab, threadIdx.x * size), end = min(vocab, begin + size);
+    int64_t d = start(begin), last = -1;
+    double sum = 0.0;
+    for (int64_t v = begin; v < end; ++v) {
+      const float w = weight(v, d);
+      sum += w;
+      if (w > 0.f) last = v;
+    }
+    sums[threadIdx.x] = sum;
+    last_positive[threadIdx.x] = last;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const double total = chunk_total(sums);
+    empty = !(total > 0.0);
+    target = u * total;
+    choice = choose_chunk(sums, target);
+    token = -1;
+  }
+  __syncthreads();
+  if (empty) return -1;
+  if (choice.chunk < 0) {  // rounding left the target past the end
+    if (threadIdx.x == 0) {
+      int64_t last = -1;
+      for (int c = 0; c < kThreads; ++c) last = max(last, last_positive[c]);
+      token = last;
+    }
+  } else if (warp == 0) {
+    const int64_t begin = choice.chunk * size, end = min(vocab, begin + size);
+    double before = choice.before;
+    int64_t d = start(begin + lane), found = -1;
+    for (int64_t group = begin; group < end; group += kWarpSize) {
+      const int64_t v = group + lane;
+      const float w = v < end ? weight(v, d) : 0.f;
+      double inclusive = w;
+#pragma unroll
+      for (int o = 1; o < kWarpSize; o *= 2) {
+        const double up = __shfl_up_sync(0xffffffffu, inclusive, o);
+        if (lane >= o) inclusive += up;
+      }
+      const unsigned hit = __ballot_sync(0xffffffffu, w > 0.f && before + inclusive > target);
+      if (hit != 0) {
+        found = group + __ffs(hit) - 1;
+        break;
+      }
+      before += __shfl_sync(0xffffffffu, inclusive, kWarpSize - 1);
+    }
+    if (lane == 0) token = found >= 0 ? found : last_positive[choice.chunk];  // rounding passed the chunk
+  }
+  __syncthreads();
+  return token;
+}
+
 // Block 0 checks the whole mapping once per call: target ids in range and increasing.
 template <typename T>
 __device__ void check_d2t(const VerifyParams<T>& p) {
@@ -107,41 +211,16 @@ __global__ void __launch_bounds__(kThreads) row_stats_kernel(const VerifyParams<
                        (long long)b, i, (long long)x, (long long)p.vocab);
   if (x < 0 || x >= p.vocab) return;
   const T* logits = p.logits + b * p.logits_stride_b + i * p.logits_stride_i;
-  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
 
   // Pass 1: the argmax (torch.argmax semantics; the order does not matter).
-  ArgMax best{-INFINITY, p.vocab};
-  for (int64_t v = threadIdx.x; v < p.vocab; v += kThreads) argmax_update(best, static_cast<float>(logits[v]), v);
-  warp_argmax(best);
-  __shared__ ArgMax warp_best[kWarps];
-  __shared__ ArgMax row_best;
-  if (lane == 0) warp_best[warp] = best;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    row_best = warp_best[0];
-    for (int w = 1; w < kWarps; ++w) argmax_update(row_best, warp_best[w].value, warp_best[w].index);
-  }
-  __syncthreads();
-
-  // Pass 2 (sampling rows with a finite max): the softmax sum in the shared order.
   VerifyRowStats r{};
-  r.argmax = row_best;
+  r.argmax = block_argmax(logits, p.vocab);
   r.softmax = SoftmaxStats{-INFINITY, 0.f};
-  const float row_max = row_best.value;  // NaN if the row has one
+  // Pass 2 (sampling rows with a finite max): the softmax sum in the shared order.
+  const float row_max = r.argmax.value;  // NaN if the row has one
   if (temperature > 0.f && is_finite(row_max)) {  // block-uniform; no distribution otherwise
     const float max_x = row_max / temperature;
-    float sum = 0.f;
-    for (int64_t v = threadIdx.x; v < p.vocab; v += kThreads)
-      sum = add_rn(sum, exp_nonpositive(static_cast<float>(logits[v]) / temperature - max_x));
-    sum = warp_sum(sum);
-    __shared__ float warp_sums[kWarps];
-    if (lane == 0) warp_sums[warp] = sum;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      float total = warp_sums[0];
-      for (int w = 1; w < kWarps; ++w) total = add_rn(total, warp_sums[w]);
-      r.softmax = SoftmaxStats{max_x, total};
-    }
+    r.softmax = SoftmaxStats{max_x, block_softmax_sum(logits, p.vocab, temperature, max_x)};
   }
   if (threadIdx.x != 0) return;
   if (i < n && temperature > 0.f) {
@@ -204,75 +283,23 @@ __global__ void __launch_bounds__(kThreads, 1) emit_kernel(const VerifyParams<T>
     if (drafts[i * p.draft_col_stride] < 0 || drafts[i * p.draft_col_stride] >= p.vocab) return;  // reported above
   const VerifyDecision decision = decide_request(rows, drafts, p.draft_col_stride, n, temperature, seed, offset);
   const int j = decision.accepted;
-  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
 
-  __shared__ int64_t token;
-  if (decision.emit == VerifyEmit::kArgmax) {
-    if (threadIdx.x == 0) token = rows[j].argmax.index;
-  } else {  // block-uniform
+  int64_t token = rows[j].argmax.index;
+  if (decision.emit != VerifyEmit::kArgmax) {  // block-uniform
     const T* logits = p.logits + b * p.logits_stride_b + j * p.logits_stride_i;
     const int64_t prob_row = b * p.probs_stride_b + j * p.probs_stride_i;
     const int64_t draft = j < n ? drafts[j * p.draft_col_stride] : -1;
     const SoftmaxStats stats = rows[j].softmax;
-    const int64_t size = draw_chunk_size(p.vocab);
-    __shared__ double sums[kThreads];
-    __shared__ int64_t last_positive[kThreads];
-    __shared__ bool retry, use_residual;
-    __shared__ DrawChoice choice;
-    __shared__ double target;
-    // Level 1: chunk sums; a residual with no positive weight (p <= q everywhere) falls back to p.
+    const double u = uniform_01(random_bits(seed, offset + j, kSampleUse));
+    // A residual with no positive weight (p <= q everywhere) falls back to p.
     for (bool residual = decision.emit == VerifyEmit::kResidual;; residual = false) {
-      const int64_t begin = min(p.vocab, threadIdx.x * size), end = min(p.vocab, begin + size);
-      int64_t d = emit_cursor(p, residual, begin), last = -1;
-      double sum = 0.0;
-      for (int64_t v = begin; v < end; ++v) {
-        const float w = emit_weight(p, logits, prob_row, draft, stats, temperature, residual, v, d);
-        sum += w;
-        if (w > 0.f) last = v;
-      }
-      sums[threadIdx.x] = sum;
-      last_positive[threadIdx.x] = last;
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        const double total = chunk_total(sums);
-        retry = residual && !(total > 0.0);
-        if (!retry) {
-          use_residual = residual;
-          target = uniform_01(random_bits(seed, offset + j, kSampleUse)) * total;
-          choice = choose_chunk(sums, target);
-        }
-      }
-      __syncthreads();
-      if (!retry) break;
-    }
-    // Level 2: warp 0 scans the chosen chunk, 32 ids at a time.
-    if (choice.chunk < 0) {  // rounding left the target past the end
-      if (threadIdx.x == 0) {
-        int64_t last = -1;
-        for (int c = 0; c < kThreads; ++c) last = max(last, last_positive[c]);
-        token = last;
-      }
-    } else if (warp == 0) {
-      const int64_t begin = choice.chunk * size, end = min(p.vocab, begin + size);
-      double before = choice.before;
-      int64_t d = emit_cursor(p, use_residual, begin + lane), found = -1;
-      for (int64_t group = begin; group < end; group += kWarpSize) {
-        const int64_t v = group + lane;
-        const float w = v < end ? emit_weight(p, logits, prob_row, draft, stats, temperature, use_residual, v, d) : 0.f;
-        double inclusive = w;
-#pragma unroll
-        for (int o = 1; o < kWarpSize; o *= 2) {
-          const double up = __shfl_up_sync(0xffffffffu, inclusive, o);
-          if (lane >= o) inclusive += up;
-        }
-        const unsigned hit = __ballot_sync(0xffffffffu, w > 0.f && before + inclusive > target);
-        if (hit != 0) {
-          found = group + __ffs(hit) - 1;
-          break;
-        }
-        before += __shfl_sync(0xffffffffu, inclusive, kWarpSize - 1);
-      }
-      if (lane == 0) token = found >= 0 ? found : last_positive[choice.chunk];  // rounding passed the chunk
+      token = block_draw(
+          p.vocab, u,
+          [&](int64_t v, int64_t& d) {
+            return emit_weight(p, logits, prob_row, draft, stats, temperature, residual, v, d);
+          },
+          [&](int64_t v) { return emit_cursor(p, residual, v); });
+      if (token >= 0 || !residual) break;
     }
   }
   __syncthreads();
@@ -281,6 +308,97 @@ __global__ void __launch_bounds__(kThreads, 1) emit_kernel(const VerifyParams<T>
     for (int i = 0; i < rows_per_request; ++i) out[i] = i < j ? drafts[i * p.draft_col_stride] : (i == j ? token : -1);
     p.num_accepted[b] = j;
   }
+}
+
+
+// ---- tree verification: every node's token first, then one walk per request ----
+
+template <typename T>
+__device__ __forceinline__ int64_t tree_parent(const TreeVerifyParams<T>& p, int64_t b, int i) {
+  return load_index(p.parents, p.parents_i64, b * p.num_nodes + i);
+}
+
+// One block per node (b, j): the node's parent checked, its depth, then the target's token
+// at the node as walk_tree defines it (argmax, or one draw keyed by offset + depth). Unused
+// nodes get -1.
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 1) tree_token_kernel(const TreeVerifyParams<T> p) {
+  const int nodes = p.num_nodes + 1;
+  const int64_t b = blockIdx.x / nodes;
+  const int j = static_cast<int>(blockIdx.x % nodes);
+  __shared__ int depth;  // -1: unused, or under an invalid parent (reported by its own block)
+  if (threadIdx.x == 0) {
+    int d = 0;
+    if (j > 0) {
+      const int64_t parent = tree_parent(p, b, j - 1);
+      QSPEC_DEVICE_CHECK(parent >= -1 && parent < j,
+                         "verify_tree: parents[%lld, %d] = %lld must be in [0, %d] (topological order) or -1",
+                         (long long)b, j - 1, (long long)parent, j - 1);
+      QSPEC_DEVICE_CHECK(parent < 1 || parent >= j || tree_parent(p, b, parent - 1) != -1,
+                         "verify_tree: node %d of request %lld hangs under node %lld, which is unused", j,
+                         (long long)b, (long long)parent);
+      for (int node = j; node > 0; ++d) {  // up to the root; parents strictly decrease
+        const int64_t parent = tree_parent(p, b, node - 1);
+        if (parent < 0 || parent >= node) {
+          d = -1;
+          break;
+        }
+        node = static_cast<int>(parent);
+      }
+    }
+    const float temperature = p.temperature == nullptr ? 0.f : p.temperature[b];
+    QSPEC_DEVICE_CHECK(temperature >= 0.f && temperature < INFINITY,
+                       "verify_tree_sampling: temperature[%lld] = %f is not a finite value >= 0", (long long)b,
+                       temperature);
+    depth = temperature >= 0.f && temperature < INFINITY ? d : -1;
+  }
+  __syncthreads();
+  if (depth < 0) {
+    if (threadIdx.x == 0) p.tokens[blockIdx.x] = -1;
+    return;
+  }
+  const T* logits = p.logits + b * p.logits_stride_b + j * p.logits_stride_i;
+  const float temperature = p.temperature == nullptr ? 0.f : p.temperature[b];
+  const ArgMax best = block_argmax(logits, p.vocab);
+  int64_t token = best.index;
+  if (temperature > 0.f && is_finite(best.value)) {  // block-uniform
+    const float max_x = best.value / temperature;
+    const float sum = block_softmax_sum(logits, p.vocab, temperature, max_x);
+    __shared__ SoftmaxStats stats;
+    if (threadIdx.x == 0) stats = SoftmaxStats{max_x, sum};
+    __syncthreads();
+    if (softmax_valid(stats)) {
+      const int64_t seed = p.seed != nullptr ? p.seed[b] : 0, offset = p.offset != nullptr ? p.offset[b] : 0;
+      const SoftmaxStats row = stats;
+      token = block_draw(
+          p.vocab, uniform_01(random_bits(seed, offset + depth, kSampleUse)),
+          [&](int64_t v, int64_t&) { return sample_weight(false, row, static_cast<float>(logits[v]) / temperature, 0.f); },
+          [](int64_t) { return int64_t{0}; });
+    }
+  }
+  if (threadIdx.x == 0) p.tokens[blockIdx.x] = token;
+}
+
+// One thread per request: walk_tree over the nodes' tokens.
+template <typename T>
+__global__ void tree_walk_kernel(const TreeVerifyParams<T> p) {
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (b >= p.batch) return;
+  const int N = p.num_nodes;
+  const int64_t* tokens = p.tokens + b * (N + 1);
+  for (int i = 0; i < N; ++i) {
+    const int64_t x = p.draft_ids[b * p.draft_stride + i * p.draft_col_stride];
+    const bool used = tokens[i + 1] >= 0;
+    QSPEC_DEVICE_CHECK(!used || (x >= 0 && x < p.vocab),
+                       "verify_tree: draft_ids[%lld, %d] = %lld outside [0, vocab=%lld)", (long long)b, i,
+                       (long long)x, (long long)p.vocab);
+    if (used && (x < 0 || x >= p.vocab)) return;
+  }
+  if (tokens[0] < 0) return;  // reported by tree_token_kernel
+  const auto parent = [&](int i) { return tree_parent(p, b, i); };
+  const auto draft = [&](int i) { return p.draft_ids[b * p.draft_stride + i * p.draft_col_stride]; };
+  const auto token = [&](int node, int) { return tokens[node]; };
+  p.num_accepted[b] = walk_tree(N, parent, draft, token, p.out_ids + b * (N + 1), p.path + b * (N + 1));
 }
 
 }  // namespace
@@ -307,11 +425,38 @@ void verify_cuda(std::string_view op, const at::Tensor& draft_ids, const std::op
   });
 }
 
+void verify_tree_cuda(std::string_view op, const at::Tensor& draft_ids, const at::Tensor& parents,
+                      const at::Tensor& target_logits, const std::optional<at::Tensor>& temperature,
+                      const std::optional<at::Tensor>& seed, const std::optional<at::Tensor>& offset,
+                      const TreeVerifyShape& s, at::Tensor& out_ids, at::Tensor& num_accepted, at::Tensor& path) {
+  QSPEC_CHECK(target_logits.is_cuda(), op, "target_logits", "must be a CUDA tensor for the CUDA kernel, got ",
+              target_logits.device());
+  if (s.batch == 0) return;
+  const c10::cuda::CUDAGuard guard(target_logits.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  at::Tensor tokens = at::empty({s.batch, s.num_nodes + 1}, draft_ids.options());
+  QSPEC_DISPATCH_ACTIVATION(target_logits.scalar_type(), "verify_tree_cuda", [&] {
+    const TreeVerifyParams<scalar_t> p = tree_verify_params<scalar_t>(draft_ids, parents, target_logits, temperature,
+                                                                     seed, offset, s, tokens, out_ids, num_accepted,
+                                                                     path);
+    // 1-D grids: B * (N + 1) <= 2^31 - 1 is checked with the shapes.
+    tree_token_kernel<scalar_t><<<s.batch * (s.num_nodes + 1), kThreads, 0, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    constexpr int kWalkThreads = 128;
+    tree_walk_kernel<scalar_t><<<(s.batch + kWalkThreads - 1) / kWalkThreads, kWalkThreads, 0, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
 TORCH_LIBRARY_IMPL(qspec_ext, CUDA, m) {
   m.impl("verify_greedy", &verify_greedy_entry<verify_cuda>);
   m.impl("verify_greedy_out", &verify_greedy_out_entry<verify_cuda>);
   m.impl("verify_sampling", &verify_sampling_entry<verify_cuda>);
   m.impl("verify_sampling_out", &verify_sampling_out_entry<verify_cuda>);
+  m.impl("verify_tree_greedy", &verify_tree_greedy_entry<verify_tree_cuda>);
+  m.impl("verify_tree_greedy_out", &verify_tree_greedy_out_entry<verify_tree_cuda>);
+  m.impl("verify_tree_sampling", &verify_tree_sampling_entry<verify_tree_cuda>);
+  m.impl("verify_tree_sampling_out", &verify_tree_sampling_out_entry<verify_tree_cuda>);
 }
 
 }  // namespace qspec_ext

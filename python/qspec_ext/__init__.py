@@ -21,6 +21,10 @@ from .ops import (
     verify_greedy_out,
     verify_sampling,
     verify_sampling_out,
+    verify_tree_greedy,
+    verify_tree_greedy_out,
+    verify_tree_sampling,
+    verify_tree_sampling_out,
 )
 from .sampling import apply_top_k_top_p
 from .rope import rope_cos_sin_cache
@@ -53,6 +57,10 @@ __all__ = [
     "verify_greedy_out",
     "verify_sampling",
     "verify_sampling_out",
+    "verify_tree_greedy",
+    "verify_tree_greedy_out",
+    "verify_tree_sampling",
+    "verify_tree_sampling_out",
 ]
 
 

@@ -1,11 +1,12 @@
 """The speculative decode loop: draft k tokens, verify them in one target forward, keep the
 accepted prefix and the target's own next token, repeat.
 
-Each step: drafter.draft(k) -> target.forward([last, d1..dk]) -> verify_greedy /
-verify_sampling -> gather_aux_hidden of the accepted rows -> drafter.prefill of those pairs
-(which also rewinds the drafter's cache); the target's cache is rewound the same way, by
-the next step's positions. The only host synchronization per step reads the accepted
-counts, which stopping needs.
+Each step: the drafting strategy proposes drafts (a chain, P-EAGLE's parallel drafts or a
+tree: see drafting/) -> target.forward([last, drafts]) -> the strategy verifies them and
+keeps the accepted path -> gather_aux_hidden of the accepted rows -> drafter.prefill of
+those pairs (which also rewinds the drafter's cache); the target's cache is rewound the
+same way, by the next step's positions. The only host synchronization per step reads the
+accepted counts, which stopping needs.
 """
 
 import time
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .arguments import check_int, check_pair, check_prompts, check_sampling
-from .ops import verify_greedy, verify_sampling
+from .drafting import make_drafting
 from .sampling import apply_top_k_top_p
 
 
@@ -168,37 +169,42 @@ def generate_plain(target, prompts: list[list[int]], max_new_tokens: int, temper
 
 
 class SpeculativeDecoder:
-    """EAGLE-3 speculative decoding of a target (Qwen3Target or HFTarget) with an Eagle3Drafter."""
+    """EAGLE-3 speculative decoding of a target (Qwen3Target or HFTarget) with an Eagle3Drafter.
 
-    def __init__(self, target, drafter, num_speculative_tokens: int = 3, max_length: int | None = None):
+    ``topk = 1`` drafts a chain of ``num_speculative_tokens`` (one forward each, or one forward
+    for all with a P-EAGLE drafter); ``topk > 1`` drafts an EAGLE-2 tree of that depth and
+    verifies its ``num_draft_tokens`` best nodes (SGLang's steps / eagle topk / draft tokens)."""
+
+    def __init__(self, target, drafter, num_speculative_tokens: int = 3, max_length: int | None = None,
+                 topk: int = 1, num_draft_tokens: int | None = None):
         check_int("SpeculativeDecoder", "num_speculative_tokens", num_speculative_tokens, 1, 32)
         if max_length is not None:
             check_int("SpeculativeDecoder", "max_length", max_length, 2)
         check_pair(target, drafter)
         self.target, self.drafter, self.k = target, drafter, num_speculative_tokens
+        self.drafting = make_drafting(target, drafter, num_speculative_tokens, topk, num_draft_tokens)
         self.max_length = max_length or target.config.max_position_embeddings
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
                  seed: int = 0) -> GenerateResult:
-        k, target, drafter = self.k, self.target, self.drafter
-        # A request's last step may accept k drafts past max_new_tokens, and the drafter then
-        # drafts k - 1 more positions: the caches hold 2k positions beyond the new tokens.
-        prompts, _ = _check_call("SpeculativeDecoder.generate", target, prompts, max_new_tokens, 2 * k,
+        target, drafter, drafting = self.target, self.drafter, self.drafting
+        margin = drafting.cache_margin  # positions past the new tokens that drafts may use
+        prompts, _ = _check_call("SpeculativeDecoder.generate", target, prompts, max_new_tokens, margin,
                                  self.max_length, temperature, top_k, top_p, eos_token_id, seed)
         if max_new_tokens == 0:
             return _nothing_to_generate(prompts)
         device = drafter.fc.weight.device
         start = time.perf_counter()
         batch = len(prompts)
-        cache_length = max(len(p) for p in prompts) + max_new_tokens + 2 * k
+        cache_length = max(len(p) for p in prompts) + max_new_tokens + margin
         target.setup(batch, cache_length)
         drafter.setup_caches(batch, cache_length)
         sampler = _Sampler(batch, temperature, top_k, top_p, seed, device)
         norm_mode, norm_weight = drafter.fc_norm_mode()
         eps = drafter.config.rms_norm_eps
-        stats = SpecDecodeStats(accepted_per_position=[0] * k)
+        stats = SpecDecodeStats(accepted_per_position=[0] * drafting.max_depth)
 
         # Prefill: the target reads the prompts and picks the first token; the drafter reads
         # the pairs (feature of prompt token t, prompt token t+1 or that first token).
@@ -215,26 +221,29 @@ class SpeculativeDecoder:
         done = [_finish(g, [t], max_new_tokens, eos_token_id) for g, t in zip(generated, first.tolist())]
         last, position = first, lengths  # the newest token and its position (not yet in the target's cache)
         position_host = [len(p) for p in prompts]
-        offsets = torch.arange(k + 1, device=device)
-        seeds = torch.tensor([seed * 1_000_003 + b for b in range(batch)], device=device)
+        seeds = None if temperature == 0.0 else torch.tensor([seed * 1_000_003 + b for b in range(batch)], device=device)
         while not all(done):
             active = ~torch.tensor(done, device=device)
-            drafts, _ = drafter.draft(k)
-            step_pos = torch.where(active[:, None], position[:, None] + offsets, -1)
-            logits = target.forward(torch.cat([last[:, None], drafts], dim=1), step_pos)
-            if temperature == 0.0:
-                out, accepted = verify_greedy(drafts, logits)
-            else:
-                ones = torch.ones(batch, device=device)
-                out, accepted = verify_sampling(drafts, None, sampler.process(logits), ones, seeds, position + 1)
+            proposal = drafting.propose(torch.where(active, position, -1))
+            tokens = torch.cat([last[:, None], proposal.draft_ids], dim=1)
+            logits = target.forward(tokens, torch.where(active[:, None], position[:, None] + proposal.depths, -1),
+                                    tree=proposal.tree)
+            if seeds is not None:
+                logits = sampler.process(logits)
+            out, accepted, path = drafting.verify(proposal, logits, seeds, position + 1)
             out_host, accepted_host = out.tolist(), accepted.tolist()  # the one sync: stopping needs it
-            # The drafter's next pairs: features of [last, accepted drafts] with the tokens after them.
-            keep = (offsets <= accepted[:, None]) & active[:, None]
-            rows = torch.where(keep, torch.arange(batch * (k + 1), device=device).view(batch, k + 1), -1)
+            drafting.keep(target, proposal, path)
+            # The drafter's next pairs: features of the accepted path [last, drafts...] with the
+            # tokens after them, at consecutive positions.
+            width = 1 + max(accepted_host[b] for b in range(batch) if not done[b])
+            path, out = path[:, :width], out[:, :width]
+            keep = (path >= 0) & active[:, None]
+            rows = torch.where(keep, torch.arange(batch, device=device)[:, None] * tokens.shape[1] + path, -1)
             fc_input = target.capture.gather(rows.reshape(-1), norm_mode, norm_weight, eps)
+            pair_positions = torch.where(keep, position[:, None] + torch.arange(width, device=device), -1)
             top = max(position_host[b] + accepted_host[b] for b in range(batch) if not done[b])
-            drafter.prefill(fc_input.view(batch, k + 1, -1), out.clamp(min=0), torch.where(keep, step_pos, -1),
-                            normalized=True, max_position=top)
+            drafter.prefill(fc_input.view(batch, width, -1), out.clamp(min=0), pair_positions, normalized=True,
+                            max_position=top)
             last = out.gather(1, accepted[:, None])[:, 0]
             position = position + accepted + 1
             position_host = [p + a + 1 for p, a in zip(position_host, accepted_host)]
@@ -244,7 +253,7 @@ class SpeculativeDecoder:
                     continue
                 n = accepted_host[b]
                 stats.num_drafts += 1
-                stats.num_draft_tokens += k
+                stats.num_draft_tokens += drafting.num_draft_tokens
                 stats.num_accepted_tokens += n
                 for i in range(n):
                     stats.accepted_per_position[i] += 1

@@ -23,6 +23,28 @@ def stdlib_files(split: str) -> list[Path]:
     return files
 
 
+def heldout_cross_entropy(model, tokenizer, files: int = 40, tokens: int = 512) -> tuple[float, float]:
+    """The shipped target's quality measure: mean next-token cross-entropy (nats/token) over
+    the first `tokens` tokens of the first `files` held-out files, and the same in nats/byte
+    (the per-token number depends on the tokenizer, the per-byte one does not).
+    `model` is a transformers causal LM, `tokenizer` a `tokenizers.Tokenizer`."""
+    import torch
+    import torch.nn.functional as F
+
+    total, count, nbytes = 0.0, 0, 0
+    with torch.no_grad():
+        for path in stdlib_files("heldout")[:files]:
+            ids = tokenizer.encode(path.read_text(errors="replace")).ids[:tokens]
+            if len(ids) < 2:
+                continue
+            batch = torch.tensor([ids])
+            logits = model(batch).logits[0, :-1].float()
+            total += float(F.cross_entropy(logits, batch[0, 1:], reduction="sum"))
+            count += len(ids) - 1
+            nbytes += len(tokenizer.decode(ids[1:]).encode())
+    return total / count, total / nbytes
+
+
 def demo_prompts(count: int, max_chars: int = 600) -> list[str]:
     """Held-out code prompts: the start of a held-out file up to its first function header."""
     prompts = []

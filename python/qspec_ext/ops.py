@@ -182,6 +182,54 @@ def verify_sampling_out(
                              out_ids, num_accepted)
 
 
+def verify_tree_greedy(
+    draft_ids: torch.Tensor, parents: torch.Tensor, target_logits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Greedy verification of a draft tree per request.
+
+    Node 0 is the root (the last verified token); draft nodes 1..N in topological order.
+    draft_ids ``[B, N]`` int64: the target-vocab token of node i+1; parents ``[B, N]`` int32/int64
+    (contiguous): the parent of node i+1, in [0, i], or -1 for an unused node (ragged trees; an
+    unused node has no used children); target_logits ``[B, N+1, V]``: row j scores the token after
+    the path to node j (one target forward over [root, nodes] with tree attention).
+
+    From the root: x = torch.argmax of the current node's row; if a child of the node holds x
+    (the lowest-index one if siblings repeat a token) x is accepted and the walk moves there,
+    else x is emitted and the walk stops. Returns ``out_ids [B, N+1]`` (the accepted drafts, then
+    the target's own token, then -1), ``num_accepted [B]`` and ``path [B, N+1]`` (the rows that
+    produced out_ids; ``path[b, 0] = 0``, -1 after), all int64. No host synchronization.
+    """
+    return _ops.verify_tree_greedy(draft_ids, parents, target_logits)
+
+
+def verify_tree_greedy_out(draft_ids: torch.Tensor, parents: torch.Tensor, target_logits: torch.Tensor,
+                           out_ids: torch.Tensor, num_accepted: torch.Tensor, path: torch.Tensor) -> None:
+    """:func:`verify_tree_greedy` into preallocated ``out_ids [B, N+1]``, ``num_accepted [B]``, ``path [B, N+1]``."""
+    _ops.verify_tree_greedy_out(draft_ids, parents, target_logits, out_ids, num_accepted, path)
+
+
+def verify_tree_sampling(
+    draft_ids: torch.Tensor, parents: torch.Tensor, target_logits: torch.Tensor, temperature: torch.Tensor,
+    seed: torch.Tensor, offset: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Lossless tree verification at temperature: the walk of :func:`verify_tree_greedy` with x
+    drawn from softmax(row / temperature) (fused, the probabilities never materialized) by the
+    Philox stream of :func:`verify_sampling`, keyed by (seed, offset + depth of the emitted token).
+    The emitted tokens follow the target's distribution exactly for any tree of deterministic
+    (e.g. top-k) drafts. temperature ``[B]`` fp32 (0 = greedy), seed, offset ``[B]`` int64; a row
+    with NaN logits or no finite logit emits its torch.argmax. CPU and CUDA decide the same.
+    """
+    return _ops.verify_tree_sampling(draft_ids, parents, target_logits, temperature, seed, offset)
+
+
+def verify_tree_sampling_out(draft_ids: torch.Tensor, parents: torch.Tensor, target_logits: torch.Tensor,
+                             temperature: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor,
+                             out_ids: torch.Tensor, num_accepted: torch.Tensor, path: torch.Tensor) -> None:
+    """:func:`verify_tree_sampling` into preallocated ``out_ids``, ``num_accepted``, ``path``."""
+    _ops.verify_tree_sampling_out(draft_ids, parents, target_logits, temperature, seed, offset, out_ids,
+                                  num_accepted, path)
+
+
 @torch.library.register_fake("qspec_ext::rms_norm")
 def _rms_norm_fake(input, weight, eps):
     return torch.empty_like(input, memory_format=torch.contiguous_format)
@@ -205,3 +253,12 @@ def _verify_fake(draft_ids, *args):
 
 torch.library.register_fake("qspec_ext::verify_greedy")(_verify_fake)
 torch.library.register_fake("qspec_ext::verify_sampling")(_verify_fake)
+
+
+def _verify_tree_fake(draft_ids, *args):
+    batch, nodes = draft_ids.shape
+    return draft_ids.new_empty(batch, nodes + 1), draft_ids.new_empty(batch), draft_ids.new_empty(batch, nodes + 1)
+
+
+torch.library.register_fake("qspec_ext::verify_tree_greedy")(_verify_tree_fake)
+torch.library.register_fake("qspec_ext::verify_tree_sampling")(_verify_tree_fake)

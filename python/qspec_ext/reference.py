@@ -221,3 +221,34 @@ def verify_sampling(draft_ids, draft_probs, target_logits, temperature, seed, of
         out.append(_emit_row(drafts, accepted, token, k))
         accepted_counts.append(accepted)
     return torch.tensor(out, dtype=torch.long), torch.tensor(accepted_counts, dtype=torch.long)
+
+
+def verify_tree(draft_ids, parents, target_logits, temperature=None, seed=None, offset=None):
+    """Tree verification, one request and one node at a time: from the root, the target's token
+    at the current node (argmax, or a draw from softmax(row / T) keyed by offset + depth), then
+    the lowest-index child holding it, until a node has none."""
+    batch, nodes = draft_ids.shape
+    out = torch.full((batch, nodes + 1), -1, dtype=torch.long)
+    path = torch.full((batch, nodes + 1), -1, dtype=torch.long)
+    accepted = torch.zeros(batch, dtype=torch.long)
+    for b in range(batch):
+        children = {}
+        for i, parent in enumerate(parents[b].tolist()):
+            if parent >= 0:
+                children.setdefault(parent, []).append(i + 1)
+        temp = 0.0 if temperature is None else float(temperature[b])
+        node, depth = 0, 0
+        while True:
+            row = target_logits[b, node].double().cpu()
+            has_distribution = bool(torch.isfinite(row.max())) and not bool(torch.isnan(row).any())
+            if temp == 0.0 or not has_distribution:
+                x = int(target_logits[b, node].float().argmax())
+            else:
+                x = _draw(torch.softmax(row / temp, dim=-1), verify_uniform(int(seed[b]), int(offset[b]) + depth, 1))
+            out[b, depth], path[b, depth] = x, node
+            match = [c for c in children.get(node, []) if int(draft_ids[b, c - 1]) == x]
+            if not match:
+                break
+            node, depth = min(match), depth + 1
+        accepted[b] = depth
+    return out, accepted, path

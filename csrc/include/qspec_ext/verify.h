@@ -316,3 +316,58 @@ struct VerifyParams {
 };
 
 }  // namespace qspec_ext
+
+namespace qspec_ext {
+
+// ---- tree verification ----
+// A tree per request: node 0 is the root (the last verified token), draft nodes 1..N in
+// topological order; parent(i) is the parent of node i + 1, in [0, i], or -1 (an unused node,
+// for ragged trees). token(node, depth) is the target's token at a node: the argmax of its
+// row, or at temperature > 0 one draw from softmax(row / T) keyed by (seed, offset + depth,
+// kSampleUse). Drawing at every node and following the draw is exactly the target's own
+// sampling, so the walk is lossless for any tree of deterministic (top-k) drafts.
+//
+// The walk emits the current node's token and moves to its lowest-index child holding it,
+// stopping at a node with none. Children come after their parents, so one pass over the
+// nodes in order finds the path. Writes out[0..N] (tokens, then -1) and path[0..N] (nodes,
+// then -1); returns the number of accepted drafts.
+template <typename Parent, typename Draft, typename Token>
+QSPEC_HOST_DEVICE int walk_tree(int num_nodes, Parent parent, Draft draft, Token token, int64_t* out, int64_t* path) {
+  int current = 0, accepted = 0;
+  int64_t want = token(0, 0);
+  out[0] = want;
+  path[0] = 0;
+  for (int node = 1; node <= num_nodes; ++node) {
+    if (parent(node - 1) != current || draft(node - 1) != want) continue;
+    current = node;
+    ++accepted;
+    want = token(node, accepted);
+    out[accepted] = want;
+    path[accepted] = node;
+  }
+  for (int i = accepted + 1; i <= num_nodes; ++i) out[i] = path[i] = -1;
+  return accepted;
+}
+
+// Raw pointers and strides of one tree verification. T is the logits dtype.
+template <typename T>
+struct TreeVerifyParams {
+  const int64_t* draft_ids;  // [B, N], strides (draft_stride, draft_col_stride)
+  int64_t draft_stride, draft_col_stride;
+  const void* parents;  // [B, N] int32 or int64, contiguous
+  bool parents_i64;
+  const T* logits;  // [B, N+1, V], strides (logits_stride_b, logits_stride_i, 1)
+  int64_t logits_stride_b, logits_stride_i;
+  const float* temperature;  // [B] or nullptr (all greedy); 0 = greedy row
+  const int64_t* seed;       // [B]
+  const int64_t* offset;     // [B]
+  int64_t* tokens;           // workspace [B, N+1] (CUDA): the target's token at each node, -1 unused
+  int64_t* out_ids;          // [B, N+1]
+  int64_t* num_accepted;     // [B]
+  int64_t* path;             // [B, N+1]
+  int64_t batch;
+  int num_nodes;  // N
+  int64_t vocab;  // V
+};
+
+}  // namespace qspec_ext

@@ -26,7 +26,7 @@ from .. import ops, reference
 from ..arguments import check_load
 from ..rope import rope_cos_sin_cache
 from .checkpoint import CheckpointError, check_tensors, load_tensors, read_config, resolve_checkpoint, save_tensors
-from .layers import MLP, Attention, RMSNormWeight
+from .layers import MLP, Attention, RMSNormWeight, TreeAttention
 
 logger = logging.getLogger(__name__)
 
@@ -332,12 +332,13 @@ class Eagle3Drafter(nn.Module):
 
     def forward_pairs(
         self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, from_features: bool,
-        normalized: bool = False,
+        normalized: bool = False, tree: TreeAttention | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One pass over pairs: hidden ``[B, T, n*H]`` features (from_features; already the
         normalized fc input when ``normalized``) or ``[B, T, H]`` x_next; tokens, positions
         ``[B, T]`` (position -1 = padding). Returns logits ``[B, T, Vd]`` and x_next ``[B, T, H]``;
-        writes the pairs' K/V into the cache."""
+        writes the pairs' K/V into the cache (at the slots of ``tree`` when the pairs are tree
+        nodes, which then attend to the context and their ancestors only)."""
         c, o = self.config, self.ops
         B, T = tokens.shape
         if B != self.batch_size or not self.caches:
@@ -358,7 +359,7 @@ class Eagle3Drafter(nn.Module):
                 o.fused_add_rms_norm_(out, residual, layer.input_layernorm.weight, c.rms_norm_eps)
                 u = out
             out = layer.self_attn.forward_cached(o, u, self.caches[i], self.cos_sin, positions, c.rms_norm_eps,
-                                                 c.window(i))
+                                                 c.window(i), tree)
             o.fused_add_rms_norm_(out, residual, layer.post_attention_layernorm.weight, c.rms_norm_eps)
             out = layer.mlp(out)
         o.fused_add_rms_norm_(out, residual, self.norm.weight, c.rms_norm_eps)  # out = z, residual = h
@@ -434,6 +435,71 @@ class Eagle3Drafter(nn.Module):
         features = self.mask_hidden.expand(B, k - 1, -1)
         slots, _ = self.forward_pairs(features, tokens, positions, from_features=True)
         return torch.cat([first, slots.float()], dim=1)
+
+    @torch.no_grad()
+    def draft_tree(self, depth: int, topk: int, num_draft_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """An EAGLE-2 dynamic draft tree per request, from the last prefilled pair.
+
+        Depth 1: the topk tokens of the draft distribution. Each further step runs the topk
+        current leaves (the beam) through the drafter at once, each attending to the context and
+        its own ancestors, and scores their topk children by cumulative log-probability; the
+        topk best children are the next beam. Of all candidates, the ``num_draft_tokens`` best
+        (ties to the earlier) form the tree: a parent scores at least as well as its children and
+        comes first, so the set holds every chosen node's ancestors. Returns target-vocab
+        ``draft_ids [B, N]`` and ``parents [B, N]`` (node i+1's parent, 0 = the root) in
+        topological order, the layout of ``verify_tree_*``.
+
+        The beam's K/V go to the (depth - 1) * topk cache slots after the last prefilled pair;
+        the next prefill overwrites them."""
+        if self.config.parallel_drafting:
+            raise ValueError("Eagle3Drafter.draft_tree: tree drafting asked of a P-EAGLE (parallel) drafter")
+        if self.state is None:
+            raise RuntimeError("Eagle3Drafter.draft_tree: call prefill first")
+        candidates = topk + (depth - 1) * topk * topk
+        if not 1 <= num_draft_tokens <= candidates:
+            raise ValueError(f"Eagle3Drafter.draft_tree: num_draft_tokens must be in [1, {candidates}] "
+                             f"(topk + (depth - 1) * topk^2 candidates), got {num_draft_tokens}")
+        if self.state.max_next_position + (depth - 1) * topk > self.max_length:
+            raise ValueError(f"Eagle3Drafter.draft_tree: a tree of depth {depth} and topk {topk} from position "
+                             f"{self.state.max_next_position} overruns the cache ({self.max_length})")
+        state = self.state
+        B, device = state.logits.shape[0], state.logits.device
+        beam_scores, beam_tokens = torch.log_softmax(state.logits.float(), dim=-1).topk(topk, dim=-1)
+        scores, tokens = [beam_scores], [beam_tokens]
+        pool_parents = [torch.full((B, topk), -1, dtype=torch.long, device=device)]  # -1: the root
+        beam = torch.arange(topk, device=device).expand(B, topk)  # pool index of each beam node
+        hidden = state.hidden[:, None].expand(B, topk, -1)
+        # Each beam node's ancestors, as offsets into the beam slots (step * topk + beam index).
+        lineage = torch.empty(B, topk, 0, dtype=torch.long, device=device)
+        start = state.next_position
+        for step in range(depth - 1):
+            own = step * topk + torch.arange(topk, device=device).expand(B, topk)
+            lineage = torch.cat([lineage, own[..., None]], dim=-1)
+            seen = torch.zeros(B, topk, (step + 1) * topk, dtype=torch.bool, device=device)
+            seen.scatter_(2, lineage, True)
+            tree = TreeAttention(start, seen, self.max_length, first=step * topk)
+            positions = (start + step)[:, None].expand(B, topk)
+            logits, x_next = self.forward_pairs(hidden, self.draft_to_target(beam_tokens), positions, False,
+                                                tree=tree)
+            child_scores, child_tokens = torch.log_softmax(logits.float(), dim=-1).topk(topk, dim=-1)
+            total = (beam_scores[..., None] + child_scores).view(B, topk * topk)
+            scores.append(total)
+            tokens.append(child_tokens.view(B, topk * topk))
+            pool_parents.append(beam[..., None].expand(B, topk, topk).reshape(B, topk * topk))
+            beam_scores, best = total.topk(topk, dim=-1)
+            parent = best // topk
+            beam = topk + step * topk * topk + best
+            beam_tokens = child_tokens.view(B, topk * topk).gather(1, best)
+            hidden = x_next.gather(1, parent[..., None].expand(-1, -1, x_next.shape[-1]))
+            lineage = lineage.gather(1, parent[..., None].expand(-1, -1, lineage.shape[-1]))
+        scores, tokens, pool_parents = torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(pool_parents, 1)
+        order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :num_draft_tokens]
+        chosen = order.sort(dim=1).values  # pool order is topological
+        node_of = torch.zeros_like(scores, dtype=torch.long)
+        node_of.scatter_(1, chosen, torch.arange(1, num_draft_tokens + 1, device=device).expand(B, -1))
+        parent_pool = pool_parents.gather(1, chosen)
+        parents = torch.where(parent_pool < 0, 0, node_of.gather(1, parent_pool.clamp(min=0)))
+        return self.draft_to_target(tokens.gather(1, chosen)), parents
 
     # ------------------------------------------------------------------ checkpoints
     @classmethod

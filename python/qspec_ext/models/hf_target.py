@@ -438,10 +438,14 @@ class HFTarget(nn.Module):
         return out.logits[:, -keep:]
 
     @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, last_only: bool = False,
+                tree: None = None) -> torch.Tensor:
         """As :meth:`Qwen3Target.forward`: logits ``[B, T, V]`` of tokens at positions (-1 = padding;
         a request's valid entries are consecutive columns at consecutive positions). The aux features
-        of all B*T rows are in :attr:`capture` until the next call."""
+        of all B*T rows are in :attr:`capture` until the next call. Chains only: no draft trees."""
+        if tree is not None:
+            raise ValueError("HFTarget.forward: draft trees need tree attention, which HFTarget does not run "
+                             "(use Qwen3Target, or topk=1)")
         B, T = tokens.shape
         if B != getattr(self, "batch_size", None):
             raise RuntimeError(f"HFTarget: call setup({B}, max_length) first")

@@ -34,16 +34,21 @@ class Attention(nn.Module):
         return (self.q_norm.weight, self.k_norm.weight) if hasattr(self, "q_norm") else (None, None)
 
     def forward_cached(self, ops, u: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], cos_sin: torch.Tensor,
-                       positions: torch.Tensor, eps: float, window: int | None = None) -> torch.Tensor:
+                       positions: torch.Tensor, eps: float, window: int | None = None,
+                       tree: "TreeAttention | None" = None) -> torch.Tensor:
         """o_proj(attention) of u ``[B*T, in]`` at positions ``[B, T]`` (-1 pads): packed QKV,
-        qk_norm_rope_ with the K/V written into the cache, attention over the cache."""
+        qk_norm_rope_ with the K/V written into the cache, attention over the cache. Chains use
+        the slot of each position and a causal mask by position; a draft tree brings its own
+        slots and mask (:class:`TreeAttention`)."""
         batch, tokens = positions.shape
         max_length = cache[0].shape[0] // batch
         qkv = self.qkv(u)
+        slots = cache_slots(positions, max_length) if tree is None else tree.slots
         ops.qk_norm_rope_(qkv, *self.qk_norm_weights(), cos_sin, positions.reshape(-1).clamp(min=0), self.heads,
-                          self.kv_heads, self.head_dim, eps, True, *cache, cache_slots(positions, max_length))
+                          self.kv_heads, self.head_dim, eps, True, *cache, slots)
         q = qkv[:, : self.heads * self.head_dim].view(batch, tokens, self.heads, self.head_dim)
-        context = cached_attention(q.transpose(1, 2), *cache, positions, max_length, window)
+        context = cached_attention(q.transpose(1, 2), *cache, positions, max_length, window,
+                                   None if tree is None else tree.mask)
         return self.o_proj(context.transpose(1, 2).reshape(batch * tokens, -1))
 
 
@@ -66,18 +71,71 @@ def cache_slots(positions: torch.Tensor, max_length: int) -> torch.Tensor:
 
 
 def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
-                     max_length: int, window: int | None = None) -> torch.Tensor:
+                     max_length: int, window: int | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of q ``[B, Hq, T, D]`` over a ``[B * max_length, Hkv, D]`` cache, masked
-    by position (a key is seen when its position is <= the query's, and within the window).
-    Entries past a query's position may be stale drafts: the mask hides them."""
+    by position (a key is seen when its position is <= the query's, and within the window), or
+    by an explicit ``mask [B, 1, T, max_length]`` (draft trees). Entries past a query's position
+    may be stale drafts: the mask hides them."""
     batch, _, _, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     keys = k_cache.view(batch, max_length, kv_heads, head_dim).transpose(1, 2)
     values = v_cache.view(batch, max_length, kv_heads, head_dim).transpose(1, 2)
     key_pos = torch.arange(max_length, device=q.device)
     query_pos = positions[:, None, :, None]
-    mask = key_pos <= query_pos
+    if mask is None:
+        mask = key_pos <= query_pos
     if window is not None:
         mask = mask & (key_pos > query_pos - window)
     mask = mask | ((query_pos < 0) & (key_pos == 0))  # padding queries: any finite row
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+
+
+class TreeAttention:
+    """Where draft-tree tokens go and what they see. The tree's scratch region is the cache
+    slots from ``start[b]`` (the position of the tree's first token) on; token j of this call is
+    written at ``start + first + j`` (consecutive slots, whatever its depth) and attends to the
+    context (slots before ``start``) and to the scratch slots ``start + s`` its row of
+    ``seen [B, T, S]`` marks (its ancestors and itself). Inactive requests (start < 0) write
+    nothing."""
+
+    def __init__(self, start: torch.Tensor, seen: torch.Tensor, max_length: int, first: int = 0):
+        batch, tokens, scratch = seen.shape
+        device = seen.device
+        self.start = start
+        active = (start >= 0)[:, None]
+        base = torch.arange(batch, device=device)[:, None] * max_length
+        slot = start[:, None] + first + torch.arange(tokens, device=device)
+        self.slots = torch.where(active, base + slot, -1).reshape(-1)
+        keys = torch.arange(max_length, device=device)
+        mask = (keys < start[:, None, None]).expand(batch, tokens, max_length).clone()
+        region = (start[:, None] + torch.arange(scratch, device=device)).clamp(0, max_length - 1)
+        mask.scatter_(2, region[:, None, :].expand(batch, tokens, scratch), seen & active[:, :, None])
+        self.mask = mask[:, None]
+
+
+def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
+    """``ancestors [B, N+1, N+1]``: node j's row marks j and its ancestors up to the root (node
+    0), for ``parents [B, N]`` (node i+1's parent, or -1 for an unused node: only itself)."""
+    batch, nodes = parents.shape
+    device = parents.device
+    reach = torch.eye(nodes + 1, dtype=torch.bool, device=device).expand(batch, -1, -1).clone()
+    child = torch.arange(1, nodes + 1, device=device).expand(batch, -1)
+    used = parents >= 0
+    reach[torch.arange(batch, device=device)[:, None].expand(-1, nodes)[used], child[used], parents[used].long()] = True
+    # Pointer doubling: after i rounds each row holds its ancestors up to 2^i levels up.
+    for _ in range(max(1, (nodes + 1).bit_length())):
+        reach = (reach.float() @ reach.float()) > 0
+    return reach
+
+
+def keep_path(caches: list[tuple[torch.Tensor, torch.Tensor]], tree: TreeAttention, path: torch.Tensor) -> None:
+    """Moves the K/V of tree rows ``path [B, N+1]`` (-1 = none) to slots ``start + 0, 1, ...`` in
+    every layer's cache (all sources are read before any write)."""
+    batch, tokens = path.shape
+    slots = tree.slots.view(batch, tokens)
+    keep = (path >= 0) & (slots >= 0)
+    source = slots.gather(1, path.clamp(min=0))[keep]
+    target = slots[keep]
+    for k_cache, v_cache in caches:
+        k_cache.index_copy_(0, target, k_cache.index_select(0, source))
+        v_cache.index_copy_(0, target, v_cache.index_select(0, source))

@@ -12,7 +12,7 @@ from ..arguments import check_aux_layer_ids, check_load
 from ..aux import AuxHiddenCapture, default_aux_layer_ids
 from ..rope import rope_cos_sin_cache
 from .checkpoint import CheckpointError, check_tensors, load_tensors, read_config, resolve_checkpoint
-from .layers import MLP, Attention, RMSNormWeight
+from .layers import MLP, Attention, RMSNormWeight, TreeAttention, keep_path
 
 
 @dataclass
@@ -132,10 +132,12 @@ class Qwen3Target(nn.Module):
         self.cos_sin = rope_cos_sin_cache(max_length, c.head_dim, c.rope_theta, torch.float32, w.device, c.rope_scaling)
 
     @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, last_only: bool = False,
+                tree: TreeAttention | None = None) -> torch.Tensor:
         """Logits ``[B, T, V]`` (``[B, V]`` at each request's last position with ``last_only``) of
         tokens ``[B, T]`` at positions ``[B, T]`` (-1 = padding). The aux features of all B*T rows
-        are in :attr:`capture` until the next call."""
+        are in :attr:`capture` until the next call. ``tree``: the tokens are a draft tree (its
+        slots and ancestor mask); :meth:`keep_path` then keeps the accepted path."""
         c, o = self.config, self.ops
         B, T = tokens.shape
         if not self.caches or B != self.batch_size:
@@ -157,7 +159,8 @@ class Qwen3Target(nn.Module):
             else:
                 o.fused_add_rms_norm_(out, residual, layer.input_layernorm.weight, c.rms_norm_eps)
                 u = out
-            attn_out = layer.self_attn.forward_cached(o, u, self.caches[i], self.cos_sin, positions, c.rms_norm_eps)
+            attn_out = layer.self_attn.forward_cached(o, u, self.caches[i], self.cos_sin, positions, c.rms_norm_eps,
+                                                      tree=tree)
             if captured:
                 residual = residual + attn_out
                 attn_out = o.rms_norm(residual, layer.post_attention_layernorm.weight, c.rms_norm_eps)
@@ -175,3 +178,9 @@ class Qwen3Target(nn.Module):
         if last_only:
             z = z[torch.arange(B, device=z.device), positions.argmax(dim=1)]
         return self.lm_head(z)
+
+    @torch.no_grad()
+    def keep_path(self, tree: TreeAttention, path: torch.Tensor) -> None:
+        """After a tree forward: moves the K/V of the accepted path (``path [B, N+1]`` tree rows,
+        -1 after) to consecutive slots from the tree's start, where the next positions expect them."""
+        keep_path(self.caches, tree, path)

@@ -1,0 +1,55 @@
+"""Chain drafting: k sequential EAGLE-3 draft steps, verified as a chain."""
+
+from dataclasses import dataclass
+
+import torch
+
+from ..models.layers import TreeAttention
+from ..ops import verify_greedy, verify_sampling
+
+
+@dataclass
+class Proposal:
+    """One step's drafts. The target reads [last token, draft_ids] at positions
+    position + depths; ``tree`` (trees only) says where they go and what they see."""
+
+    draft_ids: torch.Tensor  # [B, N] target-vocab ids
+    depths: torch.Tensor  # [B or 1, N+1]: the depth of each row (0 = the last verified token)
+    parents: torch.Tensor | None = None  # [B, N] (trees)
+    tree: TreeAttention | None = None
+
+
+class ChainDrafting:
+    """k greedy drafts per step from k sequential drafter steps."""
+
+    def __init__(self, drafter, k: int):
+        self.drafter, self.k = drafter, k
+        self.max_depth = k  # most drafts one step can accept
+        self.num_draft_tokens = k
+        self.cache_margin = 2 * k  # k accepted past the last new token, then k - 1 drafted beyond
+        self.depths = None
+
+    def draft(self) -> torch.Tensor:
+        return self.drafter.draft(self.k, parallel=False)[0]
+
+    def propose(self, root: torch.Tensor) -> Proposal:
+        """root [B]: the position of each request's last verified token (-1: inactive)."""
+        if self.depths is None or self.depths.device != root.device:
+            self.depths = torch.arange(self.k + 1, device=root.device)[None]
+        return Proposal(self.draft(), self.depths)
+
+    def verify(self, proposal: Proposal, logits: torch.Tensor, seeds: torch.Tensor | None,
+               offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(out_ids, num_accepted, path) from the target's logits (already divided by the
+        temperature and filtered when seeds are given; greedy when seeds is None)."""
+        drafts = proposal.draft_ids
+        if seeds is None:
+            out, accepted = verify_greedy(drafts, logits)
+        else:
+            ones = torch.ones(drafts.shape[0], device=drafts.device)
+            out, accepted = verify_sampling(drafts, None, logits, ones, seeds, offset)
+        rows = self.depths.expand_as(out)
+        return out, accepted, torch.where(rows <= accepted[:, None], rows, -1)
+
+    def keep(self, target, proposal: Proposal, path: torch.Tensor) -> None:
+        """A chain's accepted rows already sit at their positions: nothing to move."""

@@ -1,0 +1,11 @@
+"""Parallel drafting (P-EAGLE): the k drafts of a step from one drafter forward over the
+last prefilled pair and k - 1 mask slots; verified as a chain."""
+
+import torch
+
+from .chain import ChainDrafting
+
+
+class ParallelDrafting(ChainDrafting):
+    def draft(self) -> torch.Tensor:
+        return self.drafter.draft(self.k, parallel=True)[0]

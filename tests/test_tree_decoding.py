@@ -1,0 +1,171 @@
+"""Tree drafting (Eagle3Drafter.draft_tree) and tree decoding: the tree's layout and scores,
+its attention against an independent recomputation, lossless greedy decoding, the sampling law."""
+
+from collections import Counter
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from test_decode import AUX, PROMPTS, VOCAB, chi_square_pvalue, filtered_distribution, make_drafter, make_hf  # noqa: E402
+
+from qspec_ext import HFTarget, Qwen3Target, SpeculativeDecoder, generate_plain  # noqa: E402
+from qspec_ext.models.layers import tree_ancestors  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3-tree")
+    make_hf().save_pretrained(path)
+    return path
+
+
+def prefilled(drafter, batch=2, length=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    width = drafter.config.num_aux * drafter.config.hidden_size
+    features = torch.randn(batch, length, width, generator=g)
+    tokens = torch.randint(0, VOCAB, (batch, length), generator=g)
+    positions = torch.arange(length).expand(batch, length).clone()
+    positions[1, length - 2 :] = -1  # a shorter request
+    drafter.setup_caches(batch, 64)
+    drafter.prefill(features, tokens, positions)
+    return features, tokens, positions
+
+
+def test_tree_ancestors():
+    parents = torch.tensor([[0, 0, 1, 3, -1]])
+    reach = tree_ancestors(parents)[0]
+    assert reach[4].nonzero().flatten().tolist() == [0, 1, 3, 4]
+    assert reach[2].nonzero().flatten().tolist() == [0, 2]
+    assert reach[5].nonzero().flatten().tolist() == [5]  # unused: only itself
+    assert (reach.sum(-1) - 1).tolist() == [0, 1, 1, 2, 3, 0]
+
+
+@pytest.mark.parametrize("depth,topk,nodes", [(1, 3, 3), (2, 2, 6), (4, 3, 10), (3, 4, 36)])
+def test_draft_tree_is_the_best_nodes_by_cumulative_log_probability(depth, topk, nodes):
+    """An independent expansion: every beam node recomputed from scratch with the drafter's
+    reference ops over [context, its ancestors], the beam and the final selection by score."""
+    drafter = make_drafter(draft_vocab=60)
+    features, tokens, positions = prefilled(drafter)
+    draft_ids, parents = drafter.draft_tree(depth, topk, nodes)
+    assert draft_ids.shape == parents.shape == (2, nodes)
+    for b in range(2):
+        length = int((positions[b] >= 0).sum())
+        # Pairs of the context, then a path of draft tokens: the drafter over the whole sequence.
+        def path_logits(path_tokens):
+            drafter.setup_caches(1, 64)
+            logits = drafter.prefill(features[b : b + 1, :length], tokens[b : b + 1, :length],
+                                     positions[b : b + 1, :length])
+            row, hidden = logits[0, -1].float(), drafter.state.hidden
+            for i, token in enumerate(path_tokens):
+                step, hidden = drafter.forward_pairs(hidden[:, None], torch.tensor([[token]]),
+                                                     torch.tensor([[length + i]]), from_features=False)
+                row, hidden = step[0, 0].float(), hidden[:, 0]
+            return torch.log_softmax(row, -1)
+
+        pool = []  # (score, parent pool index, draft id), in the order candidates are made
+        beam = [(0.0, -1, [])]  # (score, pool index, path of draft ids), best first
+        for _ in range(depth):
+            candidates = []
+            for score, index, path in beam:
+                values, ids = path_logits([int(drafter.draft_to_target(torch.tensor(t))) for t in path]).topk(topk)
+                candidates += [(score + v, index, path + [t]) for v, t in zip(values.tolist(), ids.tolist())]
+            base = len(pool)
+            pool += [(score, parent, path[-1]) for score, parent, path in candidates]
+            ranked = sorted(range(len(candidates)), key=lambda i: -candidates[i][0])[:topk]
+            beam = [(candidates[i][0], base + i, candidates[i][2]) for i in ranked]
+        best = sorted(range(len(pool)), key=lambda i: -pool[i][0])[:nodes]  # stable: ties to the earlier
+        chosen = sorted(best)
+        node_of = {index: n + 1 for n, index in enumerate(chosen)}
+        expected_parents = [node_of.get(pool[i][1], 0) for i in chosen]
+        expected_ids = [int(drafter.draft_to_target(torch.tensor(pool[i][2]))) for i in chosen]
+        assert parents[b].tolist() == expected_parents
+        assert draft_ids[b].tolist() == expected_ids
+
+
+
+def test_tree_forward_of_the_target_equals_running_each_path(target_dir):
+    """Row j of one tree forward == the target's logits after the path to node j, each path
+    run as an ordinary sequence; and after keep_path the cache continues the accepted path."""
+    target = Qwen3Target.from_pretrained(target_dir, aux_layer_ids=AUX)
+    prompt = [5, 6, 7, 8, 9, 10]
+    parents = torch.tensor([[0, 0, 1, 1, 3, 2]])
+    drafts = torch.tensor([[11, 12, 13, 14, 15, 16]])
+    from qspec_ext.models.layers import TreeAttention
+
+    target.setup(1, 32)
+    target(torch.tensor([prompt[:-1]]), torch.arange(5)[None])
+    ancestors = tree_ancestors(parents)
+    depths = ancestors.sum(-1) - 1
+    tree = TreeAttention(torch.tensor([5]), ancestors, 32)
+    tokens = torch.cat([torch.tensor([[prompt[-1]]]), drafts], 1)
+    logits = target(tokens, 5 + depths, tree=tree)
+    for j in range(7):
+        path = [0] + [a for a in range(1, 7) if ancestors[0, j, a]]
+        seq = prompt[:-1] + tokens[0, path].tolist()
+        target.setup(1, 32)
+        expected = target(torch.tensor([seq]), torch.arange(len(seq))[None])[0, -1]
+        torch.testing.assert_close(logits[0, j], expected, atol=1e-4, rtol=1e-4)
+    # Keep the path root -> 1 -> 3 -> 5 and continue from it.
+    target.setup(1, 32)
+    target(torch.tensor([prompt[:-1]]), torch.arange(5)[None])
+    target(tokens, 5 + depths, tree=tree)
+    target.keep_path(tree, torch.tensor([[0, 1, 3, 5, -1, -1, -1]]))
+    after = target(torch.tensor([[90]]), torch.tensor([[9]]))[0, 0]
+    target.setup(1, 32)
+    seq = prompt + [11, 13, 15, 90]
+    expected = target(torch.tensor([seq]), torch.arange(len(seq))[None])[0, -1]
+    torch.testing.assert_close(after, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("depth,topk,nodes", [(1, 2, 2), (3, 2, 6), (4, 3, None), (5, 4, 24), (2, 8, 40)])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_tree_decoding_is_lossless(target_dir, depth, topk, nodes, batch):
+    target = Qwen3Target.from_pretrained(target_dir, aux_layer_ids=AUX)
+    prompts = PROMPTS[:batch]
+    plain = generate_plain(target, prompts, 20)
+    drafter = make_drafter(draft_vocab=60 if topk % 2 else None)
+    spec = SpeculativeDecoder(target, drafter, depth, topk=topk, num_draft_tokens=nodes).generate(prompts, 20)
+    assert spec.tokens == plain.tokens
+    assert spec.stats.num_draft_tokens == spec.stats.num_drafts * (nodes or min(depth * topk, topk + (depth - 1) * topk**2))
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, None, None), (1.2, 4, 0.9)])
+def test_tree_sampling_follows_the_target_distribution(tmp_path, temperature, top_k, top_p):
+    vocab, prompt, n, length = 6, [1, 2, 3], 3000, 3
+    hf = make_hf(vocab=vocab, seed=4, scale=4.0)
+    hf.save_pretrained(tmp_path)
+    target = Qwen3Target.from_pretrained(tmp_path, aux_layer_ids=AUX)
+    law = {(): 1.0}
+    for _ in range(length):
+        prefixes = list(law)
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + list(c) for c in prefixes])).logits[:, -1]
+        law = {c + (t,): law[c] * float(q[t]) for c, row in zip(prefixes, logits)
+               for q in [filtered_distribution(row, temperature, top_k, top_p)] for t in range(vocab) if q[t] > 0}
+    spec = SpeculativeDecoder(target, make_drafter(vocab=vocab), 2, topk=3, num_draft_tokens=8).generate(
+        [prompt] * n, length, temperature=temperature, top_k=top_k, top_p=top_p, seed=3)
+    sequences = [tuple(t) for t in spec.tokens]
+    assert all(s in law for s in sequences), "a token outside the filtered distribution was emitted"
+    cells = list(law)
+    counts = Counter(sequences)
+    observed = torch.tensor([float(counts[c]) for c in cells], dtype=torch.float64)
+    expected = torch.tensor([law[c] for c in cells], dtype=torch.float64) * n
+    assert chi_square_pvalue(observed, expected) > 1e-3
+    assert spec.stats.num_accepted_tokens > n // 4, "the trees accepted drafts"
+
+
+def test_tree_errors(target_dir):
+    target = Qwen3Target.from_pretrained(target_dir, aux_layer_ids=AUX)
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(target_dir).eval()
+    with pytest.raises(ValueError, match="tree drafting \\(topk > 1\\) needs a target that runs tree attention"):
+        SpeculativeDecoder(HFTarget(hf, AUX), make_drafter(), 3, topk=2)
+    with pytest.raises(ValueError, match="num_draft_tokens=5 needs a tree"):
+        SpeculativeDecoder(target, make_drafter(), 3, num_draft_tokens=5)
+    with pytest.raises(ValueError, match=r"num_draft_tokens=23 exceeds the 10 candidates of a tree of depth 3 and topk 2"):
+        SpeculativeDecoder(target, make_drafter(), 3, topk=2, num_draft_tokens=23)
+    with pytest.raises(ValueError, match="SpeculativeDecoder: topk must be in \\[1, 64\\], got 0"):
+        SpeculativeDecoder(target, make_drafter(), 3, topk=0)
+    with pytest.raises(ValueError, match="tree drafting \\(topk > 1\\) needs a chain EAGLE-3 drafter"):
+        SpeculativeDecoder(target, make_drafter(parallel_drafting=True, mask_token_id=3), 3, topk=2)
