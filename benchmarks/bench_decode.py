@@ -1,18 +1,22 @@
-"""End-to-end decoding: speculative vs plain, with the custom ops on and off, in one run.
+"""End-to-end decoding: speculative (chain, P-EAGLE parallel and tree drafting) vs plain,
+with the custom ops on and off, in one run.
 
-    python benchmarks/bench_decode.py [--target DIR --draft DIR] [-k 3] [--batch 1 4] [--device cuda]
+    python benchmarks/bench_decode.py [--target DIR --draft DIR [--draft-parallel DIR]] [-k 3]
+                                      [--topk 4 --num-draft-tokens 16] [--batch 1 4] [--device cuda]
                                       [--dtype bf16] [--json PATH]
 
-The pair defaults to the shipped demo pair (python/qspec_ext/demo_pair); prompts are
-held-out standard-library code, tokenized with the target's tokenizer.json. Reports
-tokens/s of plain and speculative decoding, the speed-up and the mean acceptance length;
---check fails when the greedy outputs differ.
+The pair defaults to the shipped demo pair (python/qspec_ext/demo_pair, its chain drafter
+for chains and trees, its P-EAGLE drafter for parallel drafting); prompts are held-out
+standard-library code, tokenized with the target's tokenizer.json. Reports tokens/s of plain
+and speculative decoding, the speed-up and the mean acceptance length; --check fails when
+the greedy outputs differ.
 """
 
 import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 from common import device_name
@@ -49,7 +53,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target")
     parser.add_argument("--draft")
-    parser.add_argument("-k", type=int, default=3)
+    parser.add_argument("-k", type=int, default=3, help="draft tokens per step (chain, parallel), tree depth")
+    parser.add_argument("--draft-parallel", help="P-EAGLE drafter (default: the shipped pair's, if --draft is not given)")
+    parser.add_argument("--topk", type=int, default=4, help="tree drafting: children per node")
+    parser.add_argument("--num-draft-tokens", type=int, default=None, help="tree drafting: nodes (default k * topk)")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -62,29 +69,42 @@ def main() -> int:
     from tokenizers import Tokenizer
 
     target_dir, draft_dir = args.target or str(DEMO_DIR / "target"), args.draft or str(DEMO_DIR / "draft")
+    parallel_dir = args.draft_parallel or (None if args.draft else str(DEMO_DIR / "draft-parallel"))
     tokenizer = Tokenizer.from_file(f"{target_dir}/tokenizer.json")
     texts = demo_prompts(max(args.batch))
     rows, failures = [], 0
     for use_custom_ops in (True, False):
-        target, drafter = load_pair(target_dir, draft_dir, args.device, DTYPES[args.dtype], use_custom_ops)
-        decoder = SpeculativeDecoder(target, drafter, args.k)
+        dtype = DTYPES[args.dtype]
+        target, drafter = load_pair(target_dir, draft_dir, args.device, dtype, use_custom_ops)
+        decoders = {"chain": SpeculativeDecoder(target, drafter, args.k),
+                    "tree": SpeculativeDecoder(target, drafter, args.k, topk=args.topk,
+                                               num_draft_tokens=args.num_draft_tokens)}
+        if parallel_dir is not None and Path(parallel_dir).is_dir():
+            parallel = Eagle3Drafter.from_pretrained(parallel_dir, dtype=dtype, device=args.device, target=target,
+                                                     use_custom_ops=use_custom_ops)
+            decoders["parallel"] = SpeculativeDecoder(target, parallel, args.k)
         for batch in args.batch:
             prompts = [tokenizer.encode(t).ids for t in texts[:batch]]
             generate_plain(target, prompts, 4)  # warm-up
-            decoder.generate(prompts, 4)
             plain, plain_rate = timed(args.device, lambda: generate_plain(target, prompts, args.max_new_tokens))
-            spec, spec_rate = timed(args.device, lambda: decoder.generate(prompts, args.max_new_tokens))
-            if spec.tokens != plain.tokens:
-                failures += 1
-                print(f"MISMATCH: custom_ops={use_custom_ops} batch={batch}: speculative output differs")
-            rows.append(dict(custom_ops=use_custom_ops, batch=batch, k=args.k,
-                             plain_tokens_per_s=plain_rate, spec_tokens_per_s=spec_rate, speedup=spec_rate / plain_rate,
-                             mean_acceptance_length=spec.stats.mean_acceptance_length))
+            for drafting, decoder in decoders.items():
+                decoder.generate(prompts, 4)  # warm-up
+                spec, spec_rate = timed(args.device, lambda: decoder.generate(prompts, args.max_new_tokens))
+                if spec.tokens != plain.tokens:
+                    failures += 1
+                    print(f"MISMATCH: {drafting} custom_ops={use_custom_ops} batch={batch}: speculative output differs")
+                rows.append(dict(custom_ops=use_custom_ops, batch=batch, drafting=drafting, k=args.k,
+                                 num_draft_tokens=decoder.drafting.num_draft_tokens,
+                                 plain_tokens_per_s=plain_rate, spec_tokens_per_s=spec_rate,
+                                 speedup=spec_rate / plain_rate,
+                                 mean_acceptance_length=spec.stats.mean_acceptance_length))
     print(f"\nqspec_ext decoding on {device_name(args.device)} (qspec_ext {qspec_ext.__version__}, "
           f"{target_dir}, {args.dtype}, k={args.k}, {args.max_new_tokens} new tokens)")
-    print(f"{'custom ops':>10}  {'batch':>5}  {'plain tok/s':>11}  {'spec tok/s':>10}  {'speed-up':>8}  {'accept len':>10}")
+    print(f"{'custom ops':>10}  {'batch':>5}  {'drafting':>8}  {'nodes':>5}  {'plain tok/s':>11}  {'spec tok/s':>10}  "
+          f"{'speed-up':>8}  {'accept len':>10}")
     for r in rows:
-        print(f"{str(r['custom_ops']):>10}  {r['batch']:>5}  {r['plain_tokens_per_s']:>11.1f}  {r['spec_tokens_per_s']:>10.1f}"
+        print(f"{str(r['custom_ops']):>10}  {r['batch']:>5}  {r['drafting']:>8}  {r['num_draft_tokens']:>5}  "
+              f"{r['plain_tokens_per_s']:>11.1f}  {r['spec_tokens_per_s']:>10.1f}"
               f"  {r['speedup']:>7.2f}x  {r['mean_acceptance_length']:>10.2f}")
     if args.json:
         with open(args.json, "w") as f:

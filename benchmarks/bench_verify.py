@@ -1,6 +1,6 @@
-"""Microbenchmark of verify_greedy / verify_sampling on the Qwen3 vocabulary.
+"""Microbenchmark of verify_greedy / verify_sampling and the tree ops on the Qwen3 vocabulary.
 
-    python benchmarks/bench_verify.py [--batch 1 8 64] [--k 3 7] [--check] [--json PATH]
+    python benchmarks/bench_verify.py [--batch 1 8 64] [--k 3 7] [--nodes 16 64] [--check] [--json PATH]
 
 V = 151936 target logits per row, a 32000-token draft vocabulary (d2t) with draft
 probabilities for sampling. Baselines, timed in the same run: the eager PyTorch
@@ -8,6 +8,12 @@ composition of a rejection sampler (softmax, gather, cumprod, multinomial) and i
 torch.compile. The bytes counted are the least the op must read: the logits [B, K+1, V]
 once, and for sampling also, per request, the draft probabilities [Vd] of the one row
 that may be rejected (accepted rows need only q(x)) and d2t [Vd] once, to map them.
+
+Tree modes: a breadth-first tree of N nodes, 4 children per node, whose first child holds
+the parent row's argmax (so walks go deep); the baseline is the eager composition (argmax or
+multinomial of every row, then a walk vectorized over the batch, one step per tree level)
+and its torch.compile. Bytes: the logits rows the op must read: every row [B, N+1, V] on CUDA
+(all nodes' tokens at once), the walked path's rows on CPU (it computes them lazily).
 """
 
 import argparse
@@ -50,17 +56,59 @@ def eager_sampling(draft_ids, draft_probs, logits, temperature, target_ids):
     return torch.where(positions == accepted[:, None], samples.gather(1, accepted[:, None]), out), accepted
 
 
+def eager_tree(draft_ids, parents, logits, temperature, max_depth: int):
+    batch, nodes = draft_ids.shape
+    if temperature is None:
+        tokens = logits.argmax(-1)
+    else:
+        p = torch.softmax(logits.float() / temperature[:, None, None], dim=-1)
+        tokens = torch.multinomial(p.view(-1, p.shape[-1]), 1).view(batch, nodes + 1)
+    is_child = parents[:, None, :] == torch.arange(nodes + 1, device=logits.device)[None, :, None]
+    rows = torch.arange(batch, device=logits.device)
+    current = torch.zeros(batch, dtype=torch.long, device=logits.device)
+    alive = torch.ones(batch, dtype=torch.bool, device=logits.device)
+    out = torch.full((batch, nodes + 1), -1, dtype=torch.long, device=logits.device)
+    path, accepted = out.clone(), torch.zeros_like(current)
+    for depth in range(max_depth + 1):
+        token = tokens.gather(1, current[:, None])[:, 0]
+        out[:, depth] = torch.where(alive, token, -1)
+        path[:, depth] = torch.where(alive, current, -1)
+        match = is_child[rows, current] & (draft_ids == token[:, None])
+        alive = alive & match.any(-1)
+        accepted += alive
+        current = torch.where(alive, match.int().argmax(-1) + 1, current)
+    return out, accepted, path
+
+
+def tree_inputs(batch: int, nodes: int, logits: torch.Tensor, branching: int = 4):
+    """parents [B, N] of a breadth-first tree, draft_ids whose first children hold the argmax."""
+    parents = [(i // branching) for i in range(nodes)]  # node i+1's parent: breadth-first, `branching` each
+    depth = [0]
+    for parent in parents:
+        depth.append(depth[parent] + 1)
+    parents = torch.tensor(parents, device=logits.device).expand(batch, nodes).contiguous()
+    draft_ids = torch.randint(0, logits.shape[-1], (batch, nodes), device=logits.device)
+    first = torch.arange(nodes, device=logits.device) % branching == 0
+    argmax_of_parent = logits.argmax(-1).gather(1, parents)
+    return torch.where(first, argmax_of_parent, draft_ids), parents, max(depth)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--k", type=int, nargs="+", default=[3, 7])
     parser.add_argument("--dtype", default="fp32", choices=list(DTYPES))
-    parser.add_argument("--modes", nargs="+", default=["greedy", "sampling"], choices=["greedy", "sampling"])
+    parser.add_argument("--nodes", type=int, nargs="+", default=[16, 64], help="tree nodes N (tree modes)")
+    modes = ["greedy", "sampling", "tree_greedy", "tree_sampling"]
+    parser.add_argument("--modes", nargs="+", default=modes, choices=modes)
     add_common_args(parser)
     args = parser.parse_args()
     dtype, dev = DTYPES[args.dtype], args.device
     rows, failures = [], 0
     for mode in args.modes:
+        if mode.startswith("tree"):
+            failures += bench_tree(mode, args, dtype, rows)
+            continue
         for batch in args.batch:
             for k in args.k:
                 g = torch.Generator(device=dev).manual_seed(batch * 10 + k)
@@ -109,6 +157,48 @@ def main() -> int:
                 print(f"  {mode} B={batch} K={k}: {row.ours.median_us:.1f} us", file=sys.stderr, flush=True)
     title = f"qspec_ext draft verification (V {VOCAB}, draft vocab {DRAFT_VOCAB}, temperature 0.8)"
     return finish(title, rows, args, failures)
+
+
+def bench_tree(mode: str, args, dtype, rows: list) -> int:
+    dev, failures = args.device, 0
+    for batch in args.batch:
+        for nodes in args.nodes:
+            g = torch.Generator(device=dev).manual_seed(batch * 100 + nodes)
+            logits = (torch.randn(batch, nodes + 1, VOCAB, generator=g, device=dev) * 3).to(dtype)
+            draft_ids, parents, max_depth = tree_inputs(batch, nodes, logits)
+            temperature = torch.full((batch,), 0.8, device=dev)
+            seed = torch.arange(batch, device=dev)
+            offset = torch.zeros(batch, dtype=torch.long, device=dev)
+            out = [torch.empty(batch, nodes + 1, dtype=torch.long, device=dev), torch.empty(batch, dtype=torch.long, device=dev),
+                   torch.empty(batch, nodes + 1, dtype=torch.long, device=dev)]
+            sampling = mode == "tree_sampling"
+            if sampling:
+                ours = lambda: qspec_ext.verify_tree_sampling_out(draft_ids, parents, logits, temperature, seed, offset, *out)  # noqa: E731
+                reference_args = (temperature.cpu(), seed.cpu(), offset.cpu())
+            else:
+                ours = lambda: qspec_ext.verify_tree_greedy_out(draft_ids, parents, logits, *out)  # noqa: E731
+                reference_args = ()
+            if args.check:
+                ours()
+                expected = ref.verify_tree(draft_ids.cpu(), parents.cpu(), logits.cpu(), *reference_args)
+                if not all(torch.equal(a.cpu(), b) for a, b in zip(out, expected)):
+                    failures += 1
+                    print(f"CHECK FAILED: {mode} B={batch} N={nodes}")
+            baseline_args = (draft_ids, parents, logits, temperature if sampling else None, max_depth)
+            min_samples = 3 if batch * (nodes + 1) >= 256 else 10
+            ours()
+            read_rows = batch * (nodes + 1) if logits.is_cuda else int(out[1].sum()) + batch
+            row = Row(f"verify_{mode}", args.dtype, f"B={batch} N={nodes}",
+                      read_rows * VOCAB * logits.element_size(), time_fn(ours, dev, args.min_time))
+            row.baselines["eager"] = time_fn(lambda: eager_tree(*baseline_args), dev, args.min_time,
+                                             min_samples=min_samples)
+            if not args.no_compile:
+                fn = compiled(eager_tree)
+                row.baselines["compile"] = time_fn(lambda: fn(*baseline_args), dev, args.min_time,
+                                                   min_samples=min_samples)
+            rows.append(row)
+            print(f"  {mode} B={batch} N={nodes}: {row.ours.median_us:.1f} us", file=sys.stderr, flush=True)
+    return failures
 
 
 if __name__ == "__main__":

@@ -180,7 +180,7 @@ run_step() {  # name, time limit in seconds, command...
 
 pytest=("$py" -m pytest -q -p no:cacheprovider)
 # One small shape per CUDA kernel (rms_norm, fused_add_rms_norm, eagle3_input_norm,
-# qk_norm_rope, gather_aux_hidden, verify row_stats + emit): racecheck and synccheck
+# qk_norm_rope, gather_aux_hidden, verify row_stats + emit, tree token + walk): racecheck and synccheck
 # slow kernels down by orders of magnitude, memcheck's broad selection would not fit.
 kernel_tests=(
   "tests/test_norm_rope.py::test_rms_norm[cuda-False-shape1-dtype2]"
@@ -190,6 +190,7 @@ kernel_tests=(
   "tests/test_aux_gather.py::test_gather_aux_hidden[cuda-n3-H4096-N5-float16-fc_norm]"
   "tests/test_verify.py::test_greedy_matches_reference[cuda-5-3-1000-dtype2]"
   "tests/test_verify.py::test_sampling_matches_reference[cuda-dtype2-d2t]"
+  "tests/test_verify_tree.py::test_sampling_matches_reference[cuda-24-3-5-dtype1]"
 )
 sanitize=(compute-sanitizer --error-exitcode 1 --tool)
 

@@ -129,12 +129,13 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     curves_path = out / "loss_curves.json"
-    curves = json.loads(curves_path.read_text()) if curves_path.is_file() else {}
+    curves = {}
     train_files = stdlib_files("train")
     start = time.time()
     if not args.skip_target:
         tokenizer = train_tokenizer(train_files, out / "target")
         train_target(tokenizer, train_files, out / "target", args.target_steps, curves)
+        curves_path.write_text(json.dumps(curves))
         print(f"target trained in {time.time() - start:.0f} s", flush=True)
     common = dict(steps=args.drafter_steps, draft_vocab=256, arch="qwen3", seq_len=256, batch_size=8, lr=2e-3, seed=0)
     drafters = {"draft": TrainConfig(ttt_steps=7, **common),
@@ -144,6 +145,8 @@ def main():
             began = time.time()
             train_shipped_drafter(out, name, train_files, config, curves)
             print(f"{name} trained in {time.time() - began:.0f} s", flush=True)
+    # Merged with what is there now: the drafters may be trained by separate --only runs.
+    curves = {**(json.loads(curves_path.read_text()) if curves_path.is_file() else {}), **curves}
     curves_path.write_text(json.dumps(curves))
     plot_curves(curves, out / "loss_curves.png")
     print(f"demo pair written to {out} in {time.time() - start:.0f} s")

@@ -30,6 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 PKG = "python/qspec_ext"
 DECODE, EAGLE3, TRAIN = f"{PKG}/decode.py", f"{PKG}/models/eagle3.py", f"{PKG}/train.py"
+CHAIN, TREE, LAYERS = f"{PKG}/drafting/chain.py", f"{PKG}/drafting/tree.py", f"{PKG}/models/layers.py"
 SAMPLING, ARGS, OPS, ROPE, HF = (f"{PKG}/sampling.py", f"{PKG}/arguments.py", f"{PKG}/ops.py", f"{PKG}/rope.py",
                                  f"{PKG}/models/hf_target.py")
 CPP_SOURCES = ("csrc", "CMakeLists.txt", "setup.py", "pyproject.toml", "README.md")
@@ -39,6 +40,8 @@ LOSSLESS = DEC + "test_greedy_is_lossless_builtin_target[5-3]"  # batch 5, k 3, 
 SAMPLED = DEC + "test_sampling_follows_the_target_distribution"
 SHIPPED = TR + "test_shipped_pair_accepts_drafts"
 INDEPENDENT = DRAFTER + "test_reference_path_equals_independent_implementation"
+TREES = "tests/test_tree_decoding.py::"
+TREE_LOSSLESS = TREES + "test_greedy_tree_decoding_is_lossless[4-5-4-24]"
 
 
 @dataclass(frozen=True)
@@ -67,22 +70,36 @@ MUTANTS = [
            "return apply_top_k_top_p(logits.float() / self.temperature, self.top_k, self.top_p)",
            "return logits.float() / self.temperature", (SAMPLED + "[0.5-3-None]",)),
     Mutant("philox_offset_zero_every_step", DECODE,
-           "ones, seeds, position + 1)", "ones, seeds, torch.zeros_like(position))", (SAMPLED + "[1.0-None-None]",)),
+           "logits, seeds, position + 1)", "logits, seeds, torch.zeros_like(position))", (SAMPLED + "[1.0-None-None]",)),
     Mutant("same_seed_for_every_request", DECODE,
            "[seed * 1_000_003 + b for b in range(batch)], device=device)",
            "[seed * 1_000_003 for b in range(batch)], device=device)", (SAMPLED + "[1.0-None-None]",)),
     Mutant("greedy_verify_when_sampling", DECODE,
-           "if temperature == 0.0:\n                out, accepted = verify_greedy",
-           "if temperature >= 0.0:\n                out, accepted = verify_greedy", (SAMPLED + "[1.0-None-None]",)),
+           "seeds = None if temperature == 0.0 else", "seeds = None if temperature >= 0.0 else",
+           (SAMPLED + "[1.0-None-None]",)),
     Mutant("prefill_pairs_misaligned", DECODE,
            "pair_tokens = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)", "pair_tokens = tokens.clone()",
            (DEC + "test_first_prefill_pairs_each_prompt_token_with_the_next",)),
     Mutant("step_pairs_misaligned", DECODE,
-           "drafter.prefill(fc_input.view(batch, k + 1, -1), out.clamp(min=0),",
-           "drafter.prefill(fc_input.view(batch, k + 1, -1), torch.cat([last[:, None], drafts], dim=1),",
+           "drafter.prefill(fc_input.view(batch, width, -1), out.clamp(min=0),",
+           "drafter.prefill(fc_input.view(batch, width, -1), tokens[:, :width],",
            (SHIPPED,)),
-    Mutant("gather_rows_drop_last_accepted", DECODE,
-           "keep = (offsets <= accepted[:, None])", "keep = (offsets < accepted[:, None])", (LOSSLESS,)),
+    Mutant("gather_rows_drop_last_accepted", CHAIN,
+           "torch.where(rows <= accepted[:, None], rows, -1)", "torch.where(rows < accepted[:, None], rows, -1)",
+           (LOSSLESS,)),
+    Mutant("tree_path_kv_not_kept", TREE,
+           "target.keep_path(proposal.tree, path)", "pass", (TREE_LOSSLESS,)),
+    Mutant("tree_positions_one_too_deep", TREE,
+           "depths = ancestors.sum(-1) - 1", "depths = ancestors.sum(-1)", (TREE_LOSSLESS,)),
+    Mutant("tree_attention_sees_every_node", LAYERS,
+           "seen & active[:, :, None])", "active[:, :, None].expand_as(seen))",
+           (TREES + "test_tree_forward_of_the_target_equals_running_each_path",)),
+    Mutant("draft_tree_beam_keeps_old_hidden", EAGLE3,
+           "hidden = x_next.gather(1, parent[..., None].expand(-1, -1, x_next.shape[-1]))", "hidden = x_next",
+           (TREES + "test_draft_tree_is_the_best_nodes_by_cumulative_log_probability",)),
+    Mutant("draft_tree_lineage_not_regathered", EAGLE3,
+           "lineage = lineage.gather(1, parent[..., None].expand(-1, -1, lineage.shape[-1]))", "pass",
+           (TREES + "test_draft_tree_is_the_best_nodes_by_cumulative_log_probability",)),
     Mutant("prefill_positions_off_by_one", DECODE,
            "positions[b, : len(p)] = torch.arange(len(p), device=device)",
            "positions[b, : len(p)] = torch.arange(1, len(p) + 1, device=device)",
@@ -146,8 +163,13 @@ MUTANTS = [
            ("tests/test_errors.py::test_bad_generate_arguments", "-k", "top_p")),
     # C++ (with --cpp): a CPU-only rebuild of the copy per mutant, minutes each.
     Mutant("cpu_residual_draw_ignores_row_offset", "csrc/cpu/verify.cpp",
-           "random_bits(seed, offset + j, kSampleUse)", "random_bits(seed, offset, kSampleUse)",
+           "uniform_01(random_bits(seed, offset + j, kSampleUse)), scratch);",
+           "uniform_01(random_bits(seed, offset, kSampleUse)), scratch);",
            ("tests/test_verify.py::test_sampling_matches_reference", "tests/test_properties.py::test_verify_sampling")),
+    Mutant("cpu_tree_draw_keyed_by_node_not_depth", "csrc/cpu/verify.cpp",
+           "uniform_01(random_bits(seed, offset + depth, kSampleUse)), scratch);",
+           "uniform_01(random_bits(seed, offset + node, kSampleUse)), scratch);",
+           ("tests/test_verify_tree.py::test_sampling_matches_reference",)),
 ]
 
 # Loaded into every pytest run (-p): records which qspec_ext (and _C) the tests really imported.

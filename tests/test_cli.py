@@ -27,6 +27,36 @@ def test_generate_uses_the_shipped_pair_by_default(capsys):
     assert explicit["outputs"][0]["token_ids"] == result["outputs"][0]["token_ids"]
 
 
+def test_parallel_and_tree_drafting_from_the_command_line(capsys):
+    chain = generate_json(["--prompt", "def main():\n"], capsys)
+    parallel = generate_json(["--prompt", "def main():\n", "--parallel"], capsys)
+    tree = generate_json(["--prompt", "def main():\n", "--topk", "3", "--num-draft-tokens", "5"], capsys)
+    assert (chain["drafting"], parallel["drafting"], tree["drafting"]) == ("chain", "parallel", "tree")
+    assert tree["topk"] == 3 and tree["num_draft_tokens"] == 5
+    # greedy: every kind of drafting emits the target's own continuation
+    assert chain["outputs"][0]["token_ids"] == parallel["outputs"][0]["token_ids"] == tree["outputs"][0]["token_ids"]
+    assert tree["stats"]["num_draft_tokens"] == 5 * tree["stats"]["num_drafts"]
+
+
+def test_parallel_with_a_chain_drafter_is_refused(capsys):
+    assert qspec_main(["generate", "--target", str(DEMO_DIR / "target"), "--draft", str(DEMO_DIR / "draft"),
+                       "--prompt", "x", "--parallel"]) == 2
+    assert "--parallel: " in capsys.readouterr().err
+    assert qspec_main(["generate", "--prompt", "x", "--parallel", "--topk", "2"]) == 2
+    assert "--parallel and --topk > 1 do not go together" in capsys.readouterr().err
+
+
+def test_bench_compares_chain_and_tree(capsys, tmp_path):
+    plot = tmp_path / "bench.png"
+    assert qspec_main(["bench", "--demo", "1", "-k", "2", "--topk", "2", "--max-new-tokens", "8", "--json",
+                       "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out
+    runs = json.loads(out[: out.rindex("}") + 1])["runs"]
+    assert [(r["drafting"], r["k"], r["topk"], r["num_draft_tokens"]) for r in runs] == [("chain", 2, 1, 2), ("tree", 2, 2, 4)]
+    assert all(r["identical_to_plain"] for r in runs)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_target_without_draft_is_refused(capsys):
     assert qspec_main(["generate", "--target", str(DEMO_DIR / "target"), "--prompt", "x"]) == 2
     assert "--target and --draft go together" in capsys.readouterr().err

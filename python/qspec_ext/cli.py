@@ -58,14 +58,20 @@ def eos_token_id(target_dir: str) -> int | None:
 
 
 def resolve_models(args) -> None:
-    """--target / --draft as directories (hub ids resolved); both absent: the shipped pair."""
+    """--target / --draft as directories (hub ids resolved); both absent: the shipped pair (its
+    P-EAGLE drafter with --parallel)."""
     if (args.target is None) != (args.draft is None):
         raise ValueError("--target and --draft go together (or give neither for the shipped demo pair)")
     if args.target is None:
         from .demo import DEMO_DIR
 
-        args.target, args.draft = str(DEMO_DIR / "target"), str(DEMO_DIR / "draft")
+        args.target, args.draft = str(DEMO_DIR / "target"), str(DEMO_DIR / ("draft-parallel" if args.parallel else "draft"))
     args.target, args.draft = str(resolve_checkpoint(args.target)), str(resolve_checkpoint(args.draft))
+    if args.parallel and not read_config(Path(args.draft)).get("speculators_model_type") == "peagle" \
+            and not read_config(Path(args.draft)).get("parallel_drafting"):
+        raise ValueError(f"--parallel: {args.draft} is a chain EAGLE-3 drafter, not a P-EAGLE (parallel drafting) one")
+    if args.parallel and args.topk > 1:
+        raise ValueError("--parallel and --topk > 1 do not go together: trees are drafted by chain drafters")
 
 
 def read_prompts(args) -> list[str]:
@@ -149,6 +155,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-target", action="store_true",
                    help="run the target with transformers (any causal LM, hybrid Qwen3-Next / Qwen3.5 included)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--parallel", action="store_true",
+                   help="P-EAGLE parallel drafting (the shipped pair's draft-parallel drafter by default)")
+    p.add_argument("--topk", type=int, default=1,
+                   help="draft trees: children per node (EAGLE-2 dynamic tree of depth k); 1 = a chain")
+    p.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="draft trees: nodes verified per step (default k * topk)")
 
 
 def sampling_args(args) -> dict:
@@ -161,12 +173,14 @@ def cmd_generate(args) -> int:
     texts = read_prompts(args)
     prompts, eos = encode_prompts(args, tokenizer, texts)
     target, drafter = load_pair(args.target, args.draft, args.device, args.dtype, args.hf_target)
-    decoder = SpeculativeDecoder(target, drafter, args.k)
+    decoder = SpeculativeDecoder(target, drafter, args.k, topk=args.topk, num_draft_tokens=args.num_draft_tokens)
     result = decoder.generate(prompts, args.max_new_tokens, eos_token_id=eos, **sampling_args(args))
     outputs = [tokenizer.decode(ids) for ids in result.tokens]
     if args.json:
         print(json.dumps({"outputs": [dict(prompt=p, text=o, token_ids=ids) for p, o, ids in
-                                      zip(texts, outputs, result.tokens)], "k": args.k, "stats": result.stats.as_dict()},
+                                      zip(texts, outputs, result.tokens)], "k": args.k,
+                          "drafting": drafting_kind(decoder), "topk": args.topk,
+                          "num_draft_tokens": decoder.drafting.num_draft_tokens, "stats": result.stats.as_dict()},
                          indent=1))
     else:
         for prompt, output in zip(texts, outputs):
@@ -175,45 +189,57 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def drafting_kind(decoder: SpeculativeDecoder) -> str:
+    return type(decoder.drafting).__name__.removesuffix("Drafting").lower()  # chain, parallel or tree
+
+
 def cmd_bench(args) -> int:
     from tqdm import tqdm
 
     resolve_models(args)
     prompts, eos = encode_prompts(args, load_tokenizer(args.target), read_prompts(args))
     target, drafter = load_pair(args.target, args.draft, args.device, args.dtype, args.hf_target)
-    runs = {}
+    # Chains (or parallel drafts) at every k; with --topk > 1 also a tree of each depth k.
+    decoders = [SpeculativeDecoder(target, drafter, k) for k in args.k]
+    if args.topk > 1:
+        decoders += [SpeculativeDecoder(target, drafter, k, topk=args.topk, num_draft_tokens=args.num_draft_tokens)
+                     for k in args.k]
     common = dict(max_new_tokens=args.max_new_tokens, eos_token_id=eos, **sampling_args(args))
-    with tqdm(total=len(args.k) + 1, desc="qspec bench", file=sys.stderr) as bar:
+    rows = []
+    with tqdm(total=len(decoders) + 1, desc="qspec bench", file=sys.stderr) as bar:
         plain = in_batches(partial(generate_plain, target), prompts, args.batch_size, **common)
         bar.update()
-        for k in args.k:
-            runs[k] = in_batches(SpeculativeDecoder(target, drafter, k).generate, prompts, args.batch_size, **common)
-            bar.set_postfix(k=k, acceptance_length=f"{runs[k].stats.mean_acceptance_length:.2f}")
+        for decoder in decoders:
+            run = in_batches(decoder.generate, prompts, args.batch_size, **common)
+            s = run.stats
+            kind = drafting_kind(decoder)
+            rows.append(dict(k=decoder.k, drafting=kind, topk=decoder.drafting.topk if kind == "tree" else 1,
+                             num_draft_tokens=decoder.drafting.num_draft_tokens,
+                             mean_acceptance_length=s.mean_acceptance_length,
+                             acceptance_per_position=s.acceptance_rate_per_position,
+                             tokens_per_second=s.tokens_per_second,
+                             speedup=s.tokens_per_second / plain.stats.tokens_per_second,
+                             identical_to_plain=run.tokens == plain.tokens if args.temperature == 0.0 else None))
+            bar.set_postfix(k=decoder.k, acceptance_length=f"{s.mean_acceptance_length:.2f}")
             bar.update()
-    drafting = "parallel" if drafter.config.parallel_drafting else "chain"
-    rows = []
-    for k, run in runs.items():
-        s = run.stats
-        rows.append(dict(k=k, drafting=drafting, mean_acceptance_length=s.mean_acceptance_length,
-                         acceptance_per_position=s.acceptance_rate_per_position, tokens_per_second=s.tokens_per_second,
-                         speedup=s.tokens_per_second / plain.stats.tokens_per_second,
-                         identical_to_plain=run.tokens == plain.tokens if args.temperature == 0.0 else None))
     if args.json:
         print(json.dumps({"plain_tokens_per_second": plain.stats.tokens_per_second, "runs": rows}, indent=1))
     else:
         print(f"plain decoding: {plain.stats.tokens_per_second:.1f} tokens/s")
-        print(f"{'k':>3}  {'accept len':>10}  {'tokens/s':>9}  {'speed-up':>8}  {'same as plain':>13}  acceptance per position")
+        print(f"{'drafting':>8}  {'k':>3}  {'nodes':>5}  {'accept len':>10}  {'tokens/s':>9}  {'speed-up':>8}  "
+              f"{'same as plain':>13}  acceptance per position")
         for r in rows:
             same = "-" if r["identical_to_plain"] is None else ("yes" if r["identical_to_plain"] else "NO")
             per = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
-            print(f"{r['k']:>3}  {r['mean_acceptance_length']:>10.2f}  {r['tokens_per_second']:>9.1f}  "
-                  f"{r['speedup']:>7.2f}x  {same:>13}  {per}")
+            print(f"{r['drafting']:>8}  {r['k']:>3}  {r['num_draft_tokens']:>5}  {r['mean_acceptance_length']:>10.2f}  "
+                  f"{r['tokens_per_second']:>9.1f}  {r['speedup']:>7.2f}x  {same:>13}  {per}")
     if args.plot:
         plot_acceptance(rows, args.plot)
     return 0 if all(r["identical_to_plain"] in (True, None) for r in rows) else 1
 
 
 def plot_acceptance(rows: list[dict], path: str) -> None:
+    """Acceptance length and speed-up over plain decoding by k, one line per drafting kind."""
     try:
         import matplotlib
 
@@ -221,16 +247,23 @@ def plot_acceptance(rows: list[dict], path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise ValueError("--plot needs matplotlib: pip install matplotlib") from e
-    ks = [r["k"] for r in rows]
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.plot(ks, [r["mean_acceptance_length"] for r in rows], marker="o", label="mean acceptance length")
-    ax.plot(ks, [k + 1 for k in ks], linestyle=":", color="gray", label="k + 1 (all accepted)")
-    ax.set_xlabel("draft tokens per step (k)")
-    ax.set_ylabel("tokens per target forward")
-    ax.legend()
-    ax.grid(alpha=0.3)
+    fig, (accept, speed) = plt.subplots(1, 2, figsize=(9, 3.5))
+    for kind in dict.fromkeys(r["drafting"] for r in rows):
+        mine = [r for r in rows if r["drafting"] == kind]
+        label = kind if kind != "tree" else f"tree (topk {mine[0]['topk']})"
+        ks = [r["k"] for r in mine]
+        accept.plot(ks, [r["mean_acceptance_length"] for r in mine], marker="o", label=label)
+        speed.plot(ks, [r["speedup"] for r in mine], marker="o", label=label)
+    ks = sorted({r["k"] for r in rows})
+    accept.plot(ks, [k + 1 for k in ks], linestyle=":", color="gray", label="k + 1 (all accepted)")
+    speed.axhline(1.0, linestyle=":", color="gray")
+    accept.set(xlabel="draft depth per step (k)", ylabel="tokens per target forward", title="mean acceptance length")
+    speed.set(xlabel="draft depth per step (k)", ylabel="x plain decoding", title="speed-up (tokens/s)")
+    for ax in (accept, speed):
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     print(f"wrote {path}")
 
 

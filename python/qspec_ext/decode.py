@@ -233,6 +233,7 @@ class SpeculativeDecoder:
             out, accepted, path = drafting.verify(proposal, logits, seeds, position + 1)
             out_host, accepted_host = out.tolist(), accepted.tolist()  # the one sync: stopping needs it
             drafting.keep(target, proposal, path)
+            last = out.gather(1, accepted[:, None])[:, 0]
             # The drafter's next pairs: features of the accepted path [last, drafts...] with the
             # tokens after them, at consecutive positions.
             width = 1 + max(accepted_host[b] for b in range(batch) if not done[b])
@@ -244,7 +245,6 @@ class SpeculativeDecoder:
             top = max(position_host[b] + accepted_host[b] for b in range(batch) if not done[b])
             drafter.prefill(fc_input.view(batch, width, -1), out.clamp(min=0), pair_positions, normalized=True,
                             max_position=top)
-            last = out.gather(1, accepted[:, None])[:, 0]
             position = position + accepted + 1
             position_host = [p + a + 1 for p, a in zip(position_host, accepted_host)]
 

@@ -1,9 +1,11 @@
-"""The shipped demo pair (a small Qwen3 target and its EAGLE-3 drafter, trained on the
-Python standard library's own source) and ``qspec demo``."""
+"""The shipped demo pair (a small Qwen3 target, its EAGLE-3 chain drafter and its P-EAGLE
+drafter, trained on the Python standard library's own source) and ``qspec demo``."""
 
 import sysconfig
 import zlib
 from pathlib import Path
+
+import torch
 
 DEMO_DIR = Path(__file__).parent / "demo_pair"
 
@@ -28,7 +30,6 @@ def heldout_cross_entropy(model, tokenizer, files: int = 40, tokens: int = 512) 
     the first `tokens` tokens of the first `files` held-out files, and the same in nats/byte
     (the per-token number depends on the tokenizer, the per-byte one does not).
     `model` is a transformers causal LM, `tokenizer` a `tokenizers.Tokenizer`."""
-    import torch
     import torch.nn.functional as F
 
     total, count, nbytes = 0.0, 0, 0
@@ -62,19 +63,25 @@ def demo_prompts(count: int, max_chars: int = 600) -> list[str]:
 
 def run_demo(quick: bool = False, device: str = "cpu", max_new_tokens: int | None = None,
              ks: list[int] | None = None) -> int:
-    """Loads the shipped pair, decodes held-out prompts with and without speculation, checks the
-    greedy outputs are identical, prints the text and the acceptance / speed table."""
-    from tokenizers import Tokenizer
-
+    """Loads the shipped pair (target, chain drafter, P-EAGLE drafter), decodes held-out prompts
+    with and without speculation, checks the greedy outputs are identical, prints the text and
+    chain and parallel drafting side by side: acceptance and speed by k."""
     from functools import partial
+
+    from tokenizers import Tokenizer
 
     from .cli import load_pair
     from .decode import SpeculativeDecoder, generate_plain, in_batches
+    from .models import Eagle3Drafter
 
     if not (DEMO_DIR / "target" / "model.safetensors").is_file():
         print(f"qspec demo: the demo pair is missing from {DEMO_DIR} (python scripts/make_demo_pair.py makes it)")
         return 1
-    target, drafter = load_pair(str(DEMO_DIR / "target"), str(DEMO_DIR / "draft"), device, "fp32", hf_target=False)
+    target, chain = load_pair(str(DEMO_DIR / "target"), str(DEMO_DIR / "draft"), device, "fp32", hf_target=False)
+    drafters = {"chain": chain}
+    if (DEMO_DIR / "draft-parallel").is_dir():
+        drafters["parallel"] = Eagle3Drafter.from_pretrained(DEMO_DIR / "draft-parallel", dtype=torch.float32,
+                                                             device=device, target=target)
     tokenizer = Tokenizer.from_file(str(DEMO_DIR / "target" / "tokenizer.json"))
     texts = demo_prompts(2 if quick else 4)
     prompts = [tokenizer.encode(t).ids for t in texts]
@@ -83,10 +90,10 @@ def run_demo(quick: bool = False, device: str = "cpu", max_new_tokens: int | Non
     generate_plain(target, prompts[:1], 4)  # warm-up
     # One request at a time: the single-stream latency speculative decoding is for.
     plain = in_batches(partial(generate_plain, target), prompts, 1, max_new_tokens=new_tokens)
-    runs = {k: in_batches(SpeculativeDecoder(target, drafter, k).generate, prompts, 1, max_new_tokens=new_tokens)
-            for k in ks}
-    show = runs[3] if 3 in runs else runs[ks[-1]]
-    for text, ids in zip(texts, show.tokens):
+    runs = {(kind, k): in_batches(SpeculativeDecoder(target, drafter, k).generate, prompts, 1,
+                                  max_new_tokens=new_tokens)
+            for kind, drafter in drafters.items() for k in ks}
+    for text, ids in zip(texts, plain.tokens):
         print("=" * 72)
         print(text.rstrip("\n")[-300:], end="")
         print(" \u2190 prompt | generated \u2192")
@@ -95,10 +102,16 @@ def run_demo(quick: bool = False, device: str = "cpu", max_new_tokens: int | Non
     identical = all(run.tokens == plain.tokens for run in runs.values())
     print(f"greedy speculative output identical to plain decoding: {'yes' if identical else 'NO'}")
     print(f"plain decoding: {plain.stats.tokens_per_second:.1f} tokens/s (one request at a time)")
-    print(f"{'k':>2}  {'accept len':>10}  {'tokens/s':>8}  {'speed-up':>8}  acceptance at token 0..k-1")
-    for k, run in runs.items():
-        s = run.stats
-        per = " ".join(f"{a:.2f}" for a in s.acceptance_rate_per_position)
-        print(f"{k:>2}  {s.mean_acceptance_length:>10.2f}  {s.tokens_per_second:>8.1f}  "
-              f"{s.tokens_per_second / plain.stats.tokens_per_second:>7.2f}x  {per}")
+    header = "".join(f"  {kind + ': accept len':>20}  {'tokens/s':>8}  {'speed-up':>8}" for kind in drafters)
+    print(f"{'k':>2}{header}")
+    for k in ks:
+        cells = "".join(f"  {runs[kind, k].stats.mean_acceptance_length:>20.2f}  "
+                        f"{runs[kind, k].stats.tokens_per_second:>8.1f}  "
+                        f"{runs[kind, k].stats.tokens_per_second / plain.stats.tokens_per_second:>7.2f}x"
+                        for kind in drafters)
+        print(f"{k:>2}{cells}")
+    for kind in drafters:
+        best = max(ks, key=lambda k: runs[kind, k].stats.tokens_per_second)
+        per = " ".join(f"{a:.2f}" for a in runs[kind, best].stats.acceptance_rate_per_position)
+        print(f"{kind} drafting, best k = {best}: acceptance at draft position 1..{best}: {per}")
     return 0 if identical else 1
