@@ -6,7 +6,7 @@
 2. a byte-level BPE tokenizer (vocab 512) trained with `tokenizers`;
 3. a small Qwen3 target (8 layers, hidden 192, GQA 3/1 heads of 64, q/k norm) trained from
    scratch on 512-token windows, its held-out cross-entropy measured every 250 steps;
-4. two Qwen3-architecture EAGLE-3 drafters for it (draft vocab 256), trained with
+4. two Qwen3-architecture EAGLE-3 drafters for it (draft vocab 384), trained with
    `qspec_ext.train.train_drafter`: `draft` a chain drafter with 7 TTT steps, `draft-parallel`
    a P-EAGLE drafter (parallel drafting, COD depth 8);
 weights saved in bf16, and the loss curves in loss_curves.json / loss_curves.png.
@@ -137,7 +137,7 @@ def main():
         train_target(tokenizer, train_files, out / "target", args.target_steps, curves)
         curves_path.write_text(json.dumps(curves))
         print(f"target trained in {time.time() - start:.0f} s", flush=True)
-    common = dict(steps=args.drafter_steps, draft_vocab=256, arch="qwen3", seq_len=256, batch_size=8, lr=2e-3, seed=0)
+    common = dict(steps=args.drafter_steps, draft_vocab=384, arch="qwen3", seq_len=256, batch_size=8, lr=2e-3, seed=0)
     drafters = {"draft": TrainConfig(ttt_steps=7, **common),
                 "draft-parallel": TrainConfig(parallel=True, parallel_depth=8, **common)}
     for name, config in drafters.items():
