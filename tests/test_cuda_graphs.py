@@ -12,6 +12,8 @@ import torch
 from test_aux_gather import make_inputs as aux_inputs
 from test_norm_rope import RopeCase, make_rope_inputs
 from test_verify import sampling_case
+from test_verify_tree import sampling_args as tree_sampling_args
+from test_verify_tree import tree_case
 
 import qspec_ext  # noqa: F401  (registers the ops)
 
@@ -56,6 +58,13 @@ def verify_args(seed, sampling, out=False):
     return args + [torch.full((8, 5), -7, device="cuda"), torch.full((8,), -7, device="cuda")] if out else args
 
 
+def tree_args(seed, sampling, out=False):
+    drafts, parents, logits = tree_case(8, 24, 32000, torch.bfloat16, seed=seed, branching=3, unused=0.25)
+    args = [drafts, parents, logits] + (list(tree_sampling_args(8, seed)) if sampling else [])
+    outputs = [torch.full((8, 25), -7), torch.full((8,), -7), torch.full((8, 25), -7)] if out else []
+    return [t.cuda() for t in args + outputs]
+
+
 # (op, case id, inputs for a seed: the op's positional arguments)
 CASES = [
     ("rms_norm", "T7-H4096-bf16", lambda s: norm_args("rms_norm", s)),
@@ -69,6 +78,10 @@ CASES = [
     ("verify_greedy_out", "B8-K4-V32000", lambda s: verify_args(s, sampling=False, out=True)),
     ("verify_sampling", "B8-K4-V32000-d2t", lambda s: verify_args(s, sampling=True)),
     ("verify_sampling_out", "B8-K4-V32000-d2t", lambda s: verify_args(s, sampling=True, out=True)),
+    ("verify_tree_greedy", "B8-N24-V32000", lambda s: tree_args(s, sampling=False)),
+    ("verify_tree_greedy_out", "B8-N24-V32000", lambda s: tree_args(s, sampling=False, out=True)),
+    ("verify_tree_sampling", "B8-N24-V32000", lambda s: tree_args(s, sampling=True)),
+    ("verify_tree_sampling_out", "B8-N24-V32000", lambda s: tree_args(s, sampling=True, out=True)),
 ]
 
 

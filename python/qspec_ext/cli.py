@@ -67,9 +67,10 @@ def resolve_models(args) -> None:
 
         args.target, args.draft = str(DEMO_DIR / "target"), str(DEMO_DIR / ("draft-parallel" if args.parallel else "draft"))
     args.target, args.draft = str(resolve_checkpoint(args.target)), str(resolve_checkpoint(args.draft))
-    if args.parallel and not read_config(Path(args.draft)).get("speculators_model_type") == "peagle" \
-            and not read_config(Path(args.draft)).get("parallel_drafting"):
-        raise ValueError(f"--parallel: {args.draft} is a chain EAGLE-3 drafter, not a P-EAGLE (parallel drafting) one")
+    if args.parallel:
+        config = read_config(Path(args.draft))
+        if config.get("speculators_model_type") != "peagle" and not config.get("parallel_drafting"):
+            raise ValueError(f"--parallel: {args.draft} is a chain EAGLE-3 drafter, not a P-EAGLE (parallel drafting) one")
     if args.parallel and args.topk > 1:
         raise ValueError("--parallel and --topk > 1 do not go together: trees are drafted by chain drafters")
 
