@@ -93,6 +93,20 @@ def tree_inputs(batch: int, nodes: int, logits: torch.Tensor, branching: int = 4
     return torch.where(first, argmax_of_parent, draft_ids), parents, max(depth)
 
 
+def timed_row(op: str, shape: str, moved: int, ours, baseline_fn, baseline_args, target_rows: int, args) -> Row:
+    """ours timed against the eager baseline and (unless --no-compile) its torch.compile."""
+    min_samples = 3 if target_rows >= 256 else 10
+    row = Row(op, args.dtype, shape, moved, time_fn(ours, args.device, args.min_time))
+    row.baselines["eager"] = time_fn(lambda: baseline_fn(*baseline_args), args.device, args.min_time,
+                                     min_samples=min_samples)
+    if not args.no_compile:
+        fn = compiled(baseline_fn)
+        row.baselines["compile"] = time_fn(lambda: fn(*baseline_args), args.device, args.min_time,
+                                           min_samples=min_samples)
+    print(f"  {op} {shape}: {row.ours.median_us:.1f} us", file=sys.stderr, flush=True)
+    return row
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
@@ -142,19 +156,11 @@ def main() -> int:
                     if not (torch.equal(a_out.cpu(), b_out) and torch.equal(a_acc.cpu(), b_acc)):
                         failures += 1
                         print(f"CHECK FAILED: {mode} B={batch} K={k}")
-                min_samples = 3 if batch * (k + 1) >= 256 else 10
                 moved = logits.nbytes
                 if mode == "sampling":
                     moved += batch * DRAFT_VOCAB * draft_probs.element_size() + d2t.nbytes
-                row = Row(f"verify_{mode}", args.dtype, f"B={batch} K={k}", moved, time_fn(ours, dev, args.min_time))
-                row.baselines["eager"] = time_fn(lambda: baseline_fn(*baseline_args), dev, args.min_time,
-                                                 min_samples=min_samples)
-                if not args.no_compile:
-                    fn = compiled(baseline_fn)
-                    row.baselines["compile"] = time_fn(lambda: fn(*baseline_args), dev, args.min_time,
-                                                       min_samples=min_samples)
-                rows.append(row)
-                print(f"  {mode} B={batch} K={k}: {row.ours.median_us:.1f} us", file=sys.stderr, flush=True)
+                rows.append(timed_row(f"verify_{mode}", f"B={batch} K={k}", moved, ours, baseline_fn, baseline_args,
+                                      batch * (k + 1), args))
     title = f"qspec_ext draft verification (V {VOCAB}, draft vocab {DRAFT_VOCAB}, temperature 0.8)"
     return finish(title, rows, args, failures)
 
@@ -185,19 +191,10 @@ def bench_tree(mode: str, args, dtype, rows: list) -> int:
                     failures += 1
                     print(f"CHECK FAILED: {mode} B={batch} N={nodes}")
             baseline_args = (draft_ids, parents, logits, temperature if sampling else None, max_depth)
-            min_samples = 3 if batch * (nodes + 1) >= 256 else 10
             ours()
             read_rows = batch * (nodes + 1) if logits.is_cuda else int(out[1].sum()) + batch
-            row = Row(f"verify_{mode}", args.dtype, f"B={batch} N={nodes}",
-                      read_rows * VOCAB * logits.element_size(), time_fn(ours, dev, args.min_time))
-            row.baselines["eager"] = time_fn(lambda: eager_tree(*baseline_args), dev, args.min_time,
-                                             min_samples=min_samples)
-            if not args.no_compile:
-                fn = compiled(eager_tree)
-                row.baselines["compile"] = time_fn(lambda: fn(*baseline_args), dev, args.min_time,
-                                                   min_samples=min_samples)
-            rows.append(row)
-            print(f"  {mode} B={batch} N={nodes}: {row.ours.median_us:.1f} us", file=sys.stderr, flush=True)
+            rows.append(timed_row(f"verify_{mode}", f"B={batch} N={nodes}", read_rows * VOCAB * logits.element_size(),
+                                  ours, eager_tree, baseline_args, batch * (nodes + 1), args))
     return failures
 
 

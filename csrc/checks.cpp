@@ -290,6 +290,21 @@ static void check_vector(std::string_view op, std::string_view name, const at::T
   QSPEC_CHECK(t.is_contiguous(), op, name, "must be contiguous, got strides ", t.strides());
 }
 
+// target_logits [batch, rows, vocab] with a contiguous last dim: returns the vocab size.
+// rows_name names what rows counts (rows = rows_name + 1).
+static int64_t check_target_logits(std::string_view op, const at::Tensor& target_logits, int64_t batch, int64_t rows,
+                                   std::string_view rows_name) {
+  QSPEC_CHECK(target_logits.dim() == 3 && target_logits.size(0) == batch && target_logits.size(1) == rows, op,
+              "target_logits", "must have shape [batch, ", rows_name, " + 1, vocab] = [", batch, ", ", rows,
+              ", vocab], got ", target_logits.sizes());
+  QSPEC_CHECK(target_logits.stride(2) == 1, op, "target_logits",
+              "must have a contiguous last dimension, got strides ", target_logits.strides());
+  const int64_t vocab = target_logits.size(2);
+  QSPEC_CHECK(vocab >= 1 && vocab < (int64_t{1} << 31), op, "target_logits", "must have a vocab size in [1, 2^31), got ",
+              vocab);
+  return vocab;
+}
+
 VerifyShape check_verify(std::string_view op, const at::Tensor& draft_ids, const at::Tensor& target_logits,
                          const std::optional<at::Tensor>& num_draft, const std::optional<at::Tensor>& draft_probs,
                          const std::optional<at::Tensor>& temperature, const std::optional<at::Tensor>& seed,
@@ -306,14 +321,7 @@ VerifyShape check_verify(std::string_view op, const at::Tensor& draft_ids, const
   check_launch_size(op, "draft_ids", s.batch * (k + 1), "batch * (num_draft_tokens + 1) (one block per target row)");
   check_activation(op, "target_logits", target_logits);
   check_same_device(op, "draft_ids", draft_ids, target_logits);
-  QSPEC_CHECK(target_logits.dim() == 3 && target_logits.size(0) == s.batch && target_logits.size(1) == k + 1, op,
-              "target_logits", "must have shape [batch, num_draft_tokens + 1, vocab] = [", s.batch, ", ", k + 1,
-              ", vocab], got ", target_logits.sizes());
-  QSPEC_CHECK(target_logits.stride(2) == 1, op, "target_logits",
-              "must have a contiguous last dimension, got strides ", target_logits.strides());
-  s.vocab = target_logits.size(2);
-  QSPEC_CHECK(s.vocab >= 1 && s.vocab < (int64_t{1} << 31), op, "target_logits", "must have a vocab size in [1, 2^31), got ",
-              s.vocab);
+  s.vocab = check_target_logits(op, target_logits, s.batch, k + 1, "num_draft_tokens");
   s.draft_vocab = s.vocab;
   s.has_num_draft = num_draft.has_value();
   if (s.has_num_draft) check_vector(op, "num_draft", *num_draft, s.batch, target_logits, {at::kInt, at::kLong});
@@ -375,14 +383,7 @@ TreeVerifyShape check_verify_tree(std::string_view op, const at::Tensor& draft_i
   QSPEC_CHECK(parents.sizes() == draft_ids.sizes(), op, "parents", "must have the shape of draft_ids ",
               draft_ids.sizes(), ", got ", parents.sizes());
   QSPEC_CHECK(parents.is_contiguous(), op, "parents", "must be contiguous, got strides ", parents.strides());
-  QSPEC_CHECK(target_logits.dim() == 3 && target_logits.size(0) == s.batch && target_logits.size(1) == n + 1, op,
-              "target_logits", "must have shape [batch, num_nodes + 1, vocab] = [", s.batch, ", ", n + 1,
-              ", vocab], got ", target_logits.sizes());
-  QSPEC_CHECK(target_logits.stride(2) == 1, op, "target_logits",
-              "must have a contiguous last dimension, got strides ", target_logits.strides());
-  s.vocab = target_logits.size(2);
-  QSPEC_CHECK(s.vocab >= 1 && s.vocab < (int64_t{1} << 31), op, "target_logits",
-              "must have a vocab size in [1, 2^31), got ", s.vocab);
+  s.vocab = check_target_logits(op, target_logits, s.batch, n + 1, "num_nodes");
   if (temperature.has_value()) check_vector(op, "temperature", *temperature, s.batch, target_logits, {at::kFloat});
   if (seed.has_value()) check_vector(op, "seed", *seed, s.batch, target_logits, {at::kLong});
   if (offset.has_value()) check_vector(op, "offset", *offset, s.batch, target_logits, {at::kLong});

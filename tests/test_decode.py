@@ -357,6 +357,30 @@ def chi_square_pvalue(observed, expected):
     return float(torch.special.gammaincc(torch.tensor((len(exp) - 1) / 2.0, dtype=torch.float64), stat / 2))
 
 
+def target_law(hf, prompt, vocab, length, temperature, top_k, top_p) -> dict:
+    """The probability of every continuation of `length` tokens with positive mass under the
+    model's own filtered sampling, computed exactly."""
+    law = {(): 1.0}
+    for _ in range(length):
+        prefixes = list(law)
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + list(c) for c in prefixes])).logits[:, -1]
+        law = {c + (t,): law[c] * float(q[t]) for c, row in zip(prefixes, logits)
+               for q in [filtered_distribution(row, temperature, top_k, top_p)] for t in range(vocab) if q[t] > 0}
+    return law
+
+
+def law_pvalue(generated: list[list[int]], law: dict) -> float:
+    """Chi-square p-value of the generated sequences against the law (each must be in it)."""
+    sequences = [tuple(t) for t in generated]
+    assert all(s in law for s in sequences), "a token outside the filtered distribution was emitted"
+    cells = list(law)
+    counts = Counter(sequences)
+    observed = torch.tensor([float(counts[c]) for c in cells], dtype=torch.float64)
+    expected = torch.tensor([law[c] for c in cells], dtype=torch.float64) * len(sequences)
+    return chi_square_pvalue(observed, expected)
+
+
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.5, 3, None), (1.3, None, 0.8), (1.3, 4, 0.9), (1.0, None, None)])
 def test_sampling_follows_the_target_distribution(tmp_path, temperature, top_k, top_p):
     """Over many seeds, the first four generated tokens (several verify steps, bonus tokens
@@ -365,23 +389,11 @@ def test_sampling_follows_the_target_distribution(tmp_path, temperature, top_k, 
     hf = make_hf(vocab=vocab, seed=4, scale=4.0)  # sharper than random init, far from the drafter
     hf.save_pretrained(tmp_path)
     target = Qwen3Target.from_pretrained(tmp_path, aux_layer_ids=AUX)
-    law = {(): 1.0}  # probability of every continuation of up to `length` tokens with positive mass
-    for _ in range(length):
-        prefixes = list(law)
-        with torch.no_grad():
-            logits = hf(torch.tensor([prompt + list(c) for c in prefixes])).logits[:, -1]
-        law = {c + (t,): law[c] * float(q[t]) for c, row in zip(prefixes, logits)
-               for q in [filtered_distribution(row, temperature, top_k, top_p)] for t in range(vocab) if q[t] > 0}
+    law = target_law(hf, prompt, vocab, length, temperature, top_k, top_p)
     spec = SpeculativeDecoder(target, make_drafter(vocab=vocab), k).generate(
         [prompt] * n, length, temperature=temperature, top_k=top_k, top_p=top_p, seed=7)
-    sequences = [tuple(t) for t in spec.tokens]
-    assert all(s in law for s in sequences), "a token outside the filtered distribution was emitted"
-    cells = list(law)
-    counts = Counter(sequences)
-    observed = torch.tensor([float(counts[c]) for c in cells], dtype=torch.float64)
-    expected = torch.tensor([law[c] for c in cells], dtype=torch.float64) * n
-    p_value = chi_square_pvalue(observed, expected)
-    assert p_value > 1e-3, f"chi-square p-value {p_value:.2e} over {len(cells)} continuations"
+    p_value = law_pvalue(spec.tokens, law)
+    assert p_value > 1e-3, f"chi-square p-value {p_value:.2e} over {len(law)} continuations"
     assert spec.stats.num_drafts > n, "several verify steps per request"
     assert spec.stats.accepted_per_position[k - 1] > 0, "some steps accepted every draft and drew a bonus token"
 

@@ -1,14 +1,12 @@
 """Tree drafting (Eagle3Drafter.draft_tree) and tree decoding: the tree's layout and scores,
 its attention against an independent recomputation, lossless greedy decoding, the sampling law."""
 
-from collections import Counter
-
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_decode import AUX, PROMPTS, VOCAB, chi_square_pvalue, filtered_distribution, make_drafter, make_hf  # noqa: E402
+from test_decode import AUX, PROMPTS, VOCAB, law_pvalue, make_drafter, make_hf, target_law  # noqa: E402
 
 from qspec_ext import HFTarget, Qwen3Target, SpeculativeDecoder, generate_plain  # noqa: E402
 from qspec_ext.models.layers import tree_ancestors  # noqa: E402
@@ -137,22 +135,10 @@ def test_tree_sampling_follows_the_target_distribution(tmp_path, temperature, to
     hf = make_hf(vocab=vocab, seed=4, scale=4.0)
     hf.save_pretrained(tmp_path)
     target = Qwen3Target.from_pretrained(tmp_path, aux_layer_ids=AUX)
-    law = {(): 1.0}
-    for _ in range(length):
-        prefixes = list(law)
-        with torch.no_grad():
-            logits = hf(torch.tensor([prompt + list(c) for c in prefixes])).logits[:, -1]
-        law = {c + (t,): law[c] * float(q[t]) for c, row in zip(prefixes, logits)
-               for q in [filtered_distribution(row, temperature, top_k, top_p)] for t in range(vocab) if q[t] > 0}
+    law = target_law(hf, prompt, vocab, length, temperature, top_k, top_p)
     spec = SpeculativeDecoder(target, make_drafter(vocab=vocab), 2, topk=3, num_draft_tokens=8).generate(
         [prompt] * n, length, temperature=temperature, top_k=top_k, top_p=top_p, seed=3)
-    sequences = [tuple(t) for t in spec.tokens]
-    assert all(s in law for s in sequences), "a token outside the filtered distribution was emitted"
-    cells = list(law)
-    counts = Counter(sequences)
-    observed = torch.tensor([float(counts[c]) for c in cells], dtype=torch.float64)
-    expected = torch.tensor([law[c] for c in cells], dtype=torch.float64) * n
-    assert chi_square_pvalue(observed, expected) > 1e-3
+    assert law_pvalue(spec.tokens, law) > 1e-3
     assert spec.stats.num_accepted_tokens > n // 4, "the trees accepted drafts"
 
 

@@ -180,7 +180,7 @@ def cmd_generate(args) -> int:
     if args.json:
         print(json.dumps({"outputs": [dict(prompt=p, text=o, token_ids=ids) for p, o, ids in
                                       zip(texts, outputs, result.tokens)], "k": args.k,
-                          "drafting": drafting_kind(decoder), "topk": args.topk,
+                          "drafting": decoder.drafting.kind, "topk": decoder.drafting.topk,
                           "num_draft_tokens": decoder.drafting.num_draft_tokens, "stats": result.stats.as_dict()},
                          indent=1))
     else:
@@ -188,10 +188,6 @@ def cmd_generate(args) -> int:
             print(f"--- prompt: {prompt!r}\n{output}")
         print(stats_table(result.stats))
     return 0
-
-
-def drafting_kind(decoder: SpeculativeDecoder) -> str:
-    return type(decoder.drafting).__name__.removesuffix("Drafting").lower()  # chain, parallel or tree
 
 
 def cmd_bench(args) -> int:
@@ -213,8 +209,7 @@ def cmd_bench(args) -> int:
         for decoder in decoders:
             run = in_batches(decoder.generate, prompts, args.batch_size, **common)
             s = run.stats
-            kind = drafting_kind(decoder)
-            rows.append(dict(k=decoder.k, drafting=kind, topk=decoder.drafting.topk if kind == "tree" else 1,
+            rows.append(dict(k=decoder.k, drafting=decoder.drafting.kind, topk=decoder.drafting.topk,
                              num_draft_tokens=decoder.drafting.num_draft_tokens,
                              mean_acceptance_length=s.mean_acceptance_length,
                              acceptance_per_position=s.acceptance_rate_per_position,

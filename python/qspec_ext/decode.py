@@ -232,7 +232,7 @@ class SpeculativeDecoder:
                 logits = sampler.process(logits)
             out, accepted, path = drafting.verify(proposal, logits, seeds, position + 1)
             out_host, accepted_host = out.tolist(), accepted.tolist()  # the one sync: stopping needs it
-            drafting.keep(target, proposal, path)
+            drafting.keep(proposal, path)
             last = out.gather(1, accepted[:, None])[:, 0]
             # The drafter's next pairs: features of the accepted path [last, drafts...] with the
             # tokens after them, at consecutive positions.

@@ -22,6 +22,9 @@ class Proposal:
 class ChainDrafting:
     """k greedy drafts per step from k sequential drafter steps."""
 
+    kind = "chain"
+    topk = 1
+
     def __init__(self, drafter, k: int):
         self.drafter, self.k = drafter, k
         self.max_depth = k  # most drafts one step can accept
@@ -51,5 +54,5 @@ class ChainDrafting:
         rows = self.depths.expand_as(out)
         return out, accepted, torch.where(rows <= accepted[:, None], rows, -1)
 
-    def keep(self, target, proposal: Proposal, path: torch.Tensor) -> None:
+    def keep(self, proposal: Proposal, path: torch.Tensor) -> None:
         """A chain's accepted rows already sit at their positions: nothing to move."""

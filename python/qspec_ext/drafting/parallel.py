@@ -7,5 +7,7 @@ from .chain import ChainDrafting
 
 
 class ParallelDrafting(ChainDrafting):
+    kind = "parallel"
+
     def draft(self) -> torch.Tensor:
         return self.drafter.draft(self.k, parallel=True)[0]

@@ -11,6 +11,8 @@ from .chain import Proposal
 
 
 class TreeDrafting:
+    kind = "tree"
+
     def __init__(self, target, drafter, depth: int, topk: int, num_draft_tokens: int | None):
         where = "SpeculativeDecoder"
         if not hasattr(target, "keep_path"):
@@ -45,5 +47,5 @@ class TreeDrafting:
         ones = torch.ones(logits.shape[0], device=logits.device)
         return verify_tree_sampling(proposal.draft_ids, proposal.parents, logits, ones, seeds, offset)
 
-    def keep(self, target, proposal: Proposal, path: torch.Tensor) -> None:
-        target.keep_path(proposal.tree, path)
+    def keep(self, proposal: Proposal, path: torch.Tensor) -> None:
+        self.target.keep_path(proposal.tree, path)

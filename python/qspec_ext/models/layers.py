@@ -101,7 +101,6 @@ class TreeAttention:
     def __init__(self, start: torch.Tensor, seen: torch.Tensor, max_length: int, first: int = 0):
         batch, tokens, scratch = seen.shape
         device = seen.device
-        self.start = start
         active = (start >= 0)[:, None]
         base = torch.arange(batch, device=device)[:, None] * max_length
         slot = start[:, None] + first + torch.arange(tokens, device=device)
