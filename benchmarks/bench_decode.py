@@ -1,15 +1,18 @@
-"""End-to-end decoding: speculative (chain, P-EAGLE parallel and tree drafting) vs plain,
-with the custom ops on and off, in one run.
+"""End-to-end decoding: speculative (chain, P-EAGLE parallel and tree drafting) vs plain, in
+one run, in three modes: eager with the custom ops, eager with the pure-PyTorch reference
+ops, and compiled (compile=True: static-shape graphs, CUDA graphs on CUDA).
 
     python benchmarks/bench_decode.py [--target DIR --draft DIR [--draft-parallel DIR]] [-k 3]
                                       [--topk 4 --num-draft-tokens 16] [--batch 1 4] [--device cuda]
-                                      [--dtype bf16] [--json PATH]
+                                      [--dtype bf16] [--modes eager compiled] [--json PATH]
 
 The pair defaults to the shipped demo pair (python/qspec_ext/demo_pair, its chain drafter
 for chains and trees, its P-EAGLE drafter for parallel drafting); prompts are held-out
 standard-library code, tokenized with the target's tokenizer.json. Reports tokens/s of plain
-and speculative decoding, the speed-up and the mean acceptance length; --check fails when
-the greedy outputs differ.
+and speculative decoding (in the same mode), the speed-up, the mean acceptance length, and the
+cost of one drafter step as a fraction of one target verify forward (k + 1 tokens); compiled
+rows also the compile time (the untimed warm-up run's extra time). --check fails when the
+greedy outputs differ.
 """
 
 import argparse
@@ -27,6 +30,8 @@ from qspec_ext.demo import DEMO_DIR, demo_prompts
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+MODES = {"eager": dict(use_custom_ops=True, compile=False), "reference-ops": dict(use_custom_ops=False, compile=False),
+         "compiled": dict(use_custom_ops=True, compile=True)}
 
 
 def load_pair(target_dir: str, draft_dir: str, device: str, dtype: torch.dtype, use_custom_ops: bool):
@@ -49,6 +54,29 @@ def timed(device: str, generate):
     return result, result.stats.num_generated_tokens / (time.perf_counter() - start)
 
 
+def step_times(device: str, target, drafter, batch: int, k: int, repeats: int = 50) -> tuple[float, float]:
+    """Seconds per target verify forward (k + 1 tokens per request) and per drafter step (one
+    token), on the caches the last generate call left."""
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    tokens = torch.ones(batch, k + 1, dtype=torch.long, device=device)
+    positions = torch.arange(8, 9 + k, device=device).expand(batch, -1).contiguous()
+    hidden = torch.zeros(batch, 1, drafter.config.hidden_size, dtype=drafter.fc.weight.dtype, device=device)
+    calls = {"target": lambda: target(tokens, positions),
+             "drafter": lambda: drafter(hidden, tokens[:, :1], positions[:, :1], from_features=False)}
+    seconds = {}
+    for name, call in calls.items():
+        with torch.no_grad():
+            for _ in range(3):
+                call()
+            sync()
+            start = time.perf_counter()
+            for _ in range(repeats):
+                call()
+            sync()
+        seconds[name] = (time.perf_counter() - start) / repeats
+    return seconds["target"], seconds["drafter"]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target")
@@ -61,6 +89,7 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=DTYPES, default="fp32", help="weights and activations")
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     parser.add_argument("--check", action="store_true", help="fail if greedy speculative output differs from plain")
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--min-time", type=float, default=0.0, help="accepted for gpu_check.sh; unused")
@@ -73,39 +102,50 @@ def main() -> int:
     tokenizer = Tokenizer.from_file(f"{target_dir}/tokenizer.json")
     texts = demo_prompts(max(args.batch))
     rows, failures = [], 0
-    for use_custom_ops in (True, False):
-        dtype = DTYPES[args.dtype]
-        target, drafter = load_pair(target_dir, draft_dir, args.device, dtype, use_custom_ops)
-        decoders = {"chain": SpeculativeDecoder(target, drafter, args.k),
+    eager_plain = {}
+    for mode in args.modes:
+        dtype, compile = DTYPES[args.dtype], MODES[mode]["compile"]
+        target, drafter = load_pair(target_dir, draft_dir, args.device, dtype, MODES[mode]["use_custom_ops"])
+        decoders = {"chain": SpeculativeDecoder(target, drafter, args.k, compile=compile),
                     "tree": SpeculativeDecoder(target, drafter, args.k, topk=args.topk,
-                                               num_draft_tokens=args.num_draft_tokens)}
+                                               num_draft_tokens=args.num_draft_tokens, compile=compile)}
         if parallel_dir is not None and Path(parallel_dir).is_dir():
             parallel = Eagle3Drafter.from_pretrained(parallel_dir, dtype=dtype, device=args.device, target=target,
-                                                     use_custom_ops=use_custom_ops)
-            decoders["parallel"] = SpeculativeDecoder(target, parallel, args.k)
+                                                     use_custom_ops=MODES[mode]["use_custom_ops"])
+            decoders["parallel"] = SpeculativeDecoder(target, parallel, args.k, compile=compile)
         for batch in args.batch:
             prompts = [tokenizer.encode(t).ids for t in texts[:batch]]
-            generate_plain(target, prompts, 4)  # warm-up
-            plain, plain_rate = timed(args.device, lambda: generate_plain(target, prompts, args.max_new_tokens))
+            # The warm-up is the same run untimed: compiled, it builds every graph the timed run uses.
+            new = args.max_new_tokens if compile else 4
+            plain_warmup, _ = timed(args.device, lambda: generate_plain(target, prompts, new, compile=compile))
+            plain, plain_rate = timed(args.device, lambda: generate_plain(target, prompts, args.max_new_tokens,
+                                                                           compile=compile))
+            eager_plain.setdefault(batch, plain_rate)
             for drafting, decoder in decoders.items():
-                decoder.generate(prompts, 4)  # warm-up
+                warmup, _ = timed(args.device, lambda: decoder.generate(prompts, new))
                 spec, spec_rate = timed(args.device, lambda: decoder.generate(prompts, args.max_new_tokens))
                 if spec.tokens != plain.tokens:
                     failures += 1
-                    print(f"MISMATCH: {drafting} custom_ops={use_custom_ops} batch={batch}: speculative output differs")
-                rows.append(dict(custom_ops=use_custom_ops, batch=batch, drafting=drafting, k=args.k,
+                    print(f"MISMATCH: {drafting} mode={mode} batch={batch}: speculative output differs")
+                target_s, drafter_s = step_times(args.device, target, decoder.drafter, batch, args.k)
+                rows.append(dict(mode=mode, batch=batch, drafting=drafting, k=args.k,
                                  num_draft_tokens=decoder.drafting.num_draft_tokens,
                                  plain_tokens_per_s=plain_rate, spec_tokens_per_s=spec_rate,
-                                 speedup=spec_rate / plain_rate,
-                                 mean_acceptance_length=spec.stats.mean_acceptance_length))
+                                 speedup=spec_rate / plain_rate, plain_vs_first_mode=plain_rate / eager_plain[batch],
+                                 mean_acceptance_length=spec.stats.mean_acceptance_length,
+                                 acceptance_per_position=spec.stats.acceptance_rate_per_position,
+                                 target_verify_ms=target_s * 1e3, drafter_step_ms=drafter_s * 1e3,
+                                 drafter_step_vs_verify=drafter_s / target_s,
+                                 compile_s=(warmup.stats.wall_time - spec.stats.wall_time) if compile else 0.0))
     print(f"\nqspec_ext decoding on {device_name(args.device)} (qspec_ext {qspec_ext.__version__}, "
           f"{target_dir}, {args.dtype}, k={args.k}, {args.max_new_tokens} new tokens)")
-    print(f"{'custom ops':>10}  {'batch':>5}  {'drafting':>8}  {'nodes':>5}  {'plain tok/s':>11}  {'spec tok/s':>10}  "
-          f"{'speed-up':>8}  {'accept len':>10}")
+    print(f"{'mode':>13}  {'batch':>5}  {'drafting':>8}  {'nodes':>5}  {'plain tok/s':>11}  {'spec tok/s':>10}  "
+          f"{'speed-up':>8}  {'accept len':>10}  {'draft step/verify':>17}  {'plain vs ' + args.modes[0]:>17}  compile s")
     for r in rows:
-        print(f"{str(r['custom_ops']):>10}  {r['batch']:>5}  {r['drafting']:>8}  {r['num_draft_tokens']:>5}  "
+        print(f"{r['mode']:>13}  {r['batch']:>5}  {r['drafting']:>8}  {r['num_draft_tokens']:>5}  "
               f"{r['plain_tokens_per_s']:>11.1f}  {r['spec_tokens_per_s']:>10.1f}"
-              f"  {r['speedup']:>7.2f}x  {r['mean_acceptance_length']:>10.2f}")
+              f"  {r['speedup']:>7.2f}x  {r['mean_acceptance_length']:>10.2f}  {r['drafter_step_vs_verify']:>17.2f}"
+              f"  {r['plain_vs_first_mode']:>16.2f}x  {r['compile_s']:.0f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device_name(args.device), "dtype": args.dtype, "rows": rows}, f, indent=1)

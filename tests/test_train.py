@@ -124,7 +124,7 @@ def test_ttt_step_two_is_the_drafters_second_step(tiny_target, trained):
         for t in range(10):  # pairs whose token two ahead exists
             loaded.setup_caches(1, 32)
             loaded.prefill(features[:, : t + 1], ids[:, 1 : t + 2], torch.arange(t + 1)[None])
-            step, _ = loaded.forward_pairs(loaded.state.hidden[:, None], ids[:, t + 2 : t + 3],
+            step, _ = loaded(loaded.state.hidden[:, None], ids[:, t + 2 : t + 3],
                                            torch.tensor([[t + 1]]), from_features=False)
             p = torch.softmax(out.logits[0, t + 2].float(), -1)[draft_ids]
             p = p / p.sum()

@@ -57,7 +57,7 @@ def test_draft_tree_is_the_best_nodes_by_cumulative_log_probability(depth, topk,
                                      positions[b : b + 1, :length])
             row, hidden = logits[0, -1].float(), drafter.state.hidden
             for i, token in enumerate(path_tokens):
-                step, hidden = drafter.forward_pairs(hidden[:, None], torch.tensor([[token]]),
+                step, hidden = drafter(hidden[:, None], torch.tensor([[token]]),
                                                      torch.tensor([[length + i]]), from_features=False)
                 row, hidden = step[0, 0].float(), hidden[:, 0]
             return torch.log_softmax(row, -1)

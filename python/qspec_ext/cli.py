@@ -162,6 +162,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="draft trees: children per node (EAGLE-2 dynamic tree of depth k); 1 = a chain")
     p.add_argument("--num-draft-tokens", type=int, default=None,
                    help="draft trees: nodes verified per step (default k * topk)")
+    p.add_argument("--compile", action="store_true",
+                   help="compiled static-shape decode steps (torch.compile; CUDA graphs on CUDA); built-in target only")
 
 
 def sampling_args(args) -> dict:
@@ -174,7 +176,8 @@ def cmd_generate(args) -> int:
     texts = read_prompts(args)
     prompts, eos = encode_prompts(args, tokenizer, texts)
     target, drafter = load_pair(args.target, args.draft, args.device, args.dtype, args.hf_target)
-    decoder = SpeculativeDecoder(target, drafter, args.k, topk=args.topk, num_draft_tokens=args.num_draft_tokens)
+    decoder = SpeculativeDecoder(target, drafter, args.k, topk=args.topk, num_draft_tokens=args.num_draft_tokens,
+                                 compile=args.compile)
     result = decoder.generate(prompts, args.max_new_tokens, eos_token_id=eos, **sampling_args(args))
     outputs = [tokenizer.decode(ids) for ids in result.tokens]
     if args.json:
@@ -197,14 +200,15 @@ def cmd_bench(args) -> int:
     prompts, eos = encode_prompts(args, load_tokenizer(args.target), read_prompts(args))
     target, drafter = load_pair(args.target, args.draft, args.device, args.dtype, args.hf_target)
     # Chains (or parallel drafts) at every k; with --topk > 1 also a tree of each depth k.
-    decoders = [SpeculativeDecoder(target, drafter, k) for k in args.k]
+    decoders = [SpeculativeDecoder(target, drafter, k, compile=args.compile) for k in args.k]
     if args.topk > 1:
-        decoders += [SpeculativeDecoder(target, drafter, k, topk=args.topk, num_draft_tokens=args.num_draft_tokens)
-                     for k in args.k]
-    common = dict(max_new_tokens=args.max_new_tokens, eos_token_id=eos, **sampling_args(args))
+        decoders += [SpeculativeDecoder(target, drafter, k, topk=args.topk, num_draft_tokens=args.num_draft_tokens,
+                                        compile=args.compile) for k in args.k]
+    # Compiled: each configuration is timed after an untimed run that builds its graphs.
+    common = dict(max_new_tokens=args.max_new_tokens, eos_token_id=eos, warmup=args.compile, **sampling_args(args))
     rows = []
     with tqdm(total=len(decoders) + 1, desc="qspec bench", file=sys.stderr) as bar:
-        plain = in_batches(partial(generate_plain, target), prompts, args.batch_size, **common)
+        plain = in_batches(partial(generate_plain, target, compile=args.compile), prompts, args.batch_size, **common)
         bar.update()
         for decoder in decoders:
             run = in_batches(decoder.generate, prompts, args.batch_size, **common)
@@ -215,13 +219,16 @@ def cmd_bench(args) -> int:
                              acceptance_per_position=s.acceptance_rate_per_position,
                              tokens_per_second=s.tokens_per_second,
                              speedup=s.tokens_per_second / plain.stats.tokens_per_second,
+                             compile_time=s.compile_time,
                              identical_to_plain=run.tokens == plain.tokens if args.temperature == 0.0 else None))
             bar.set_postfix(k=decoder.k, acceptance_length=f"{s.mean_acceptance_length:.2f}")
             bar.update()
     if args.json:
-        print(json.dumps({"plain_tokens_per_second": plain.stats.tokens_per_second, "runs": rows}, indent=1))
+        print(json.dumps({"plain_tokens_per_second": plain.stats.tokens_per_second, "compile": args.compile,
+                          "runs": rows}, indent=1))
     else:
-        print(f"plain decoding: {plain.stats.tokens_per_second:.1f} tokens/s")
+        print(f"plain decoding: {plain.stats.tokens_per_second:.1f} tokens/s"
+              + (f" (compiled steps; compile time {plain.stats.compile_time:.0f} s, untimed)" if args.compile else ""))
         print(f"{'drafting':>8}  {'k':>3}  {'nodes':>5}  {'accept len':>10}  {'tokens/s':>9}  {'speed-up':>8}  "
               f"{'same as plain':>13}  acceptance per position")
         for r in rows:
@@ -266,7 +273,8 @@ def plot_acceptance(rows: list[dict], path: str) -> None:
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
-    return run_demo(quick=args.quick, device=args.device, max_new_tokens=args.max_new_tokens, ks=args.k)
+    return run_demo(quick=args.quick, device=args.device, max_new_tokens=args.max_new_tokens, ks=args.k,
+                    compile=args.compile)
 
 
 def cmd_train_drafter(args) -> int:
@@ -275,7 +283,8 @@ def cmd_train_drafter(args) -> int:
     config = TrainConfig(steps=args.steps, ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab, arch=args.arch,
                          fc_norm=args.fc_norm, norm_output=args.norm_output, seq_len=args.seq_len,
                          batch_size=args.batch_size, lr=args.lr, seed=args.seed, parallel=args.parallel,
-                         parallel_depth=args.depth, cod_ratio=args.cod_ratio, cod_floor=args.cod_floor)
+                         parallel_depth=args.depth, cod_ratio=args.cod_ratio, cod_floor=args.cod_floor,
+                         regenerate=args.regenerate)
     _, history = train_drafter(args.target, args.data, args.out, config, device=args.device)
     first, last = history[0], history[-1]
     print(f"loss {first[0]:.3f} -> {last[0]:.3f}; accuracy per {'depth' if args.parallel else 'step'} "
@@ -302,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--max-new-tokens", type=int, default=None)
     demo.add_argument("-k", type=int, nargs="+", default=None, help="draft lengths (default 1..5)")
     demo.add_argument("--device", default="cpu")
+    demo.add_argument("--compile", action="store_true", help="compiled static-shape decode steps")
     demo.set_defaults(run=cmd_demo)
     train = commands.add_parser("train-drafter", help="train an EAGLE-3 drafter for a target on local text")
     train.add_argument("--target", required=True, help="transformers causal LM directory with tokenizer.json")
@@ -321,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--depth", type=int, default=8, help="P-EAGLE: mask-slot depths trained (k drafts need k)")
     train.add_argument("--cod-ratio", type=float, default=0.7, help="P-EAGLE: COD sampling decay per depth")
     train.add_argument("--cod-floor", type=float, default=0.2, help="P-EAGLE: COD sampling floor")
+    train.add_argument("--regenerate", action="store_true",
+                       help="train on the target's own greedy continuations of the data (self-distillation)")
     train.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     train.set_defaults(run=cmd_train_drafter)
     args = parser.parse_args(argv)

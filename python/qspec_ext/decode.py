@@ -6,7 +6,8 @@ tree: see drafting/) -> target.forward([last, drafts]) -> the strategy verifies 
 keeps the accepted path -> gather_aux_hidden of the accepted rows -> drafter.prefill of
 those pairs (which also rewinds the drafter's cache); the target's cache is rewound the
 same way, by the next step's positions. The only host synchronization per step reads the
-accepted counts, which stopping needs.
+accepted counts, which stopping needs. ``compile=True`` runs the models' forwards as static-shape
+graphs (compiled.py).
 """
 
 import time
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .arguments import check_int, check_pair, check_prompts, check_sampling
+from .compiled import bucketed, compile_for_decoding
 from .drafting import make_drafting
 from .sampling import apply_top_k_top_p
 
@@ -27,6 +29,7 @@ class SpecDecodeStats:
     accepted_per_position: list[int] = field(default_factory=list)
     num_generated_tokens: int = 0
     wall_time: float = 0.0
+    compile_time: float = 0.0  # in_batches(warmup=True): the warm-up run's extra wall time
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -48,7 +51,7 @@ class SpecDecodeStats:
             num_accepted_tokens=self.num_accepted_tokens, mean_acceptance_length=self.mean_acceptance_length,
             acceptance_rate_per_position=self.acceptance_rate_per_position,
             num_generated_tokens=self.num_generated_tokens, wall_time=self.wall_time,
-            tokens_per_second=self.tokens_per_second,
+            tokens_per_second=self.tokens_per_second, compile_time=self.compile_time,
         )
 
 
@@ -58,9 +61,16 @@ class GenerateResult:
     stats: SpecDecodeStats
 
 
-def in_batches(generate, prompts: list[list[int]], batch_size: int, **kwargs) -> GenerateResult:
+def in_batches(generate, prompts: list[list[int]], batch_size: int, warmup: bool = False, **kwargs) -> GenerateResult:
     """Runs generate(prompts_chunk, **kwargs) over chunks of batch_size prompts; one result
-    with the tokens in order and the stats summed (tokens/s over the total wall time)."""
+    with the tokens in order and the stats summed (tokens/s over the total wall time).
+    ``warmup``: everything runs once untimed first (compiled steps: that builds every graph
+    the timed run uses), and stats.compile_time is how much longer that run took."""
+    if warmup:
+        first = in_batches(generate, prompts, batch_size, **kwargs)
+        result = in_batches(generate, prompts, batch_size, **kwargs)
+        result.stats.compile_time = max(first.stats.wall_time - result.stats.wall_time, 0.0)
+        return result
     tokens: list[list[int]] = []
     total = SpecDecodeStats()
     for start in range(0, len(prompts), batch_size):
@@ -118,8 +128,8 @@ def _nothing_to_generate(prompts: list[list[int]]) -> "GenerateResult":
     return GenerateResult([[] for _ in prompts], SpecDecodeStats())
 
 
-def _prefill_inputs(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
-    longest = max(len(p) for p in prompts)
+def _prefill_inputs(prompts: list[list[int]], device, compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    longest = bucketed(max(len(p) for p in prompts), compiled)
     tokens = torch.zeros(len(prompts), longest, dtype=torch.long, device=device)
     positions = torch.full_like(tokens, -1)
     for b, p in enumerate(prompts):
@@ -140,8 +150,11 @@ def _finish(generated: list[int], new: list[int], max_new_tokens: int, eos_token
 @torch.no_grad()
 def generate_plain(target, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
                    top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
-                   seed: int = 0, max_length: int | None = None) -> GenerateResult:
-    """Ordinary decoding with the target alone (one forward per token): the baseline."""
+                   seed: int = 0, max_length: int | None = None, compile: bool = False) -> GenerateResult:
+    """Ordinary decoding with the target alone (one forward per token): the baseline.
+    ``compile``: the target's forward runs as static-shape graphs (compiled.py)."""
+    if compile:
+        compile_for_decoding("generate_plain", target)
     prompts, max_length = _check_call("generate_plain", target, prompts, max_new_tokens, 1, max_length,
                                       temperature, top_k, top_p, eos_token_id, seed)
     if max_new_tokens == 0:
@@ -149,16 +162,16 @@ def generate_plain(target, prompts: list[list[int]], max_new_tokens: int, temper
     device = target.lm_head.weight.device if hasattr(target, "lm_head") else next(target.parameters()).device
     start = time.perf_counter()
     batch = len(prompts)
-    target.setup(batch, max_length)
+    target.setup(batch, bucketed(max_length, compile))
     sampler = _Sampler(batch, temperature, top_k, top_p, seed, device)
-    tokens, positions = _prefill_inputs(prompts, device)
-    next_token = sampler.pick(target.forward(tokens, positions, last_only=True))
+    tokens, positions = _prefill_inputs(prompts, device, compile)
+    next_token = sampler.pick(target(tokens, positions, last_only=True))
     generated: list[list[int]] = [[] for _ in prompts]
     done = [_finish(g, [t], max_new_tokens, eos_token_id) for g, t in zip(generated, next_token.tolist())]
     position = torch.tensor([len(p) for p in prompts], device=device)
     while not all(done):
         step_pos = torch.where(torch.tensor(done, device=device), -1, position)[:, None]
-        logits = target.forward(next_token[:, None], step_pos)[:, 0]
+        logits = target(next_token[:, None], step_pos)[:, 0]
         next_token = sampler.pick(logits)
         for b, token in enumerate(next_token.tolist()):
             if not done[b]:
@@ -173,10 +186,11 @@ class SpeculativeDecoder:
 
     ``topk = 1`` drafts a chain of ``num_speculative_tokens`` (one forward each, or one forward
     for all with a P-EAGLE drafter); ``topk > 1`` drafts an EAGLE-2 tree of that depth and
-    verifies its ``num_draft_tokens`` best nodes (SGLang's steps / eagle topk / draft tokens)."""
+    verifies its ``num_draft_tokens`` best nodes (SGLang's steps / eagle topk / draft tokens).
+    ``compile``: both models' forwards run as static-shape graphs (compiled.py)."""
 
     def __init__(self, target, drafter, num_speculative_tokens: int = 3, max_length: int | None = None,
-                 topk: int = 1, num_draft_tokens: int | None = None):
+                 topk: int = 1, num_draft_tokens: int | None = None, compile: bool = False):
         check_int("SpeculativeDecoder", "num_speculative_tokens", num_speculative_tokens, 1, 32)
         if max_length is not None:
             check_int("SpeculativeDecoder", "max_length", max_length, 2)
@@ -184,6 +198,9 @@ class SpeculativeDecoder:
         self.target, self.drafter, self.k = target, drafter, num_speculative_tokens
         self.drafting = make_drafting(target, drafter, num_speculative_tokens, topk, num_draft_tokens)
         self.max_length = max_length or target.config.max_position_embeddings
+        self.compiled = compile
+        if compile:
+            compile_for_decoding("SpeculativeDecoder", target, drafter)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
@@ -198,7 +215,8 @@ class SpeculativeDecoder:
         device = drafter.fc.weight.device
         start = time.perf_counter()
         batch = len(prompts)
-        cache_length = max(len(p) for p in prompts) + max_new_tokens + margin
+        needed = max(len(p) for p in prompts) + max_new_tokens + margin
+        cache_length = max(needed, min(bucketed(needed, self.compiled), self.max_length))
         target.setup(batch, cache_length)
         drafter.setup_caches(batch, cache_length)
         sampler = _Sampler(batch, temperature, top_k, top_p, seed, device)
@@ -208,8 +226,8 @@ class SpeculativeDecoder:
 
         # Prefill: the target reads the prompts and picks the first token; the drafter reads
         # the pairs (feature of prompt token t, prompt token t+1 or that first token).
-        tokens, positions = _prefill_inputs(prompts, device)
-        first = sampler.pick(target.forward(tokens, positions, last_only=True))
+        tokens, positions = _prefill_inputs(prompts, device, self.compiled)
+        first = sampler.pick(target(tokens, positions, last_only=True))
         lengths = torch.tensor([len(p) for p in prompts], device=device)
         pair_tokens = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)
         pair_tokens[torch.arange(batch, device=device), lengths - 1] = first
@@ -226,8 +244,8 @@ class SpeculativeDecoder:
             active = ~torch.tensor(done, device=device)
             proposal = drafting.propose(torch.where(active, position, -1))
             tokens = torch.cat([last[:, None], proposal.draft_ids], dim=1)
-            logits = target.forward(tokens, torch.where(active[:, None], position[:, None] + proposal.depths, -1),
-                                    tree=proposal.tree)
+            logits = target(tokens, torch.where(active[:, None], position[:, None] + proposal.depths, -1),
+                            tree=proposal.tree)
             if seeds is not None:
                 logits = sampler.process(logits)
             out, accepted, path = drafting.verify(proposal, logits, seeds, position + 1)
@@ -235,8 +253,8 @@ class SpeculativeDecoder:
             drafting.keep(proposal, path)
             last = out.gather(1, accepted[:, None])[:, 0]
             # The drafter's next pairs: features of the accepted path [last, drafts...] with the
-            # tokens after them, at consecutive positions.
-            width = 1 + max(accepted_host[b] for b in range(batch) if not done[b])
+            # tokens after them, at consecutive positions (a fixed width: one shape per step).
+            width = drafting.max_depth + 1
             path, out = path[:, :width], out[:, :width]
             keep = (path >= 0) & active[:, None]
             rows = torch.where(keep, torch.arange(batch, device=device)[:, None] * tokens.shape[1] + path, -1)

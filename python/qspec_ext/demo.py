@@ -62,10 +62,11 @@ def demo_prompts(count: int, max_chars: int = 600) -> list[str]:
 
 
 def run_demo(quick: bool = False, device: str = "cpu", max_new_tokens: int | None = None,
-             ks: list[int] | None = None) -> int:
+             ks: list[int] | None = None, compile: bool = False) -> int:
     """Loads the shipped pair (target, chain drafter, P-EAGLE drafter), decodes held-out prompts
     with and without speculation, checks the greedy outputs are identical, prints the text and
-    chain and parallel drafting side by side: acceptance and speed by k."""
+    chain and parallel drafting side by side: acceptance and speed by k. ``compile``: compiled
+    decode steps, each configuration timed after an untimed run that compiles it."""
     from functools import partial
 
     from tokenizers import Tokenizer
@@ -89,9 +90,9 @@ def run_demo(quick: bool = False, device: str = "cpu", max_new_tokens: int | Non
     ks = ks or ([1, 3] if quick else [1, 2, 3, 4, 5])
     generate_plain(target, prompts[:1], 4)  # warm-up
     # One request at a time: the single-stream latency speculative decoding is for.
-    plain = in_batches(partial(generate_plain, target), prompts, 1, max_new_tokens=new_tokens)
-    runs = {(kind, k): in_batches(SpeculativeDecoder(target, drafter, k).generate, prompts, 1,
-                                  max_new_tokens=new_tokens)
+    timed = partial(in_batches, prompts=prompts, batch_size=1, warmup=compile, max_new_tokens=new_tokens)
+    plain = timed(partial(generate_plain, target, compile=compile))
+    runs = {(kind, k): timed(SpeculativeDecoder(target, drafter, k, compile=compile).generate)
             for kind, drafter in drafters.items() for k in ks}
     for text, ids in zip(texts, plain.tokens):
         print("=" * 72)
@@ -101,7 +102,9 @@ def run_demo(quick: bool = False, device: str = "cpu", max_new_tokens: int | Non
     print("=" * 72)
     identical = all(run.tokens == plain.tokens for run in runs.values())
     print(f"greedy speculative output identical to plain decoding: {'yes' if identical else 'NO'}")
-    print(f"plain decoding: {plain.stats.tokens_per_second:.1f} tokens/s (one request at a time)")
+    print(f"plain decoding: {plain.stats.tokens_per_second:.1f} tokens/s (one request at a time)"
+          + (f"; compiled steps (compile time {sum(r.stats.compile_time for r in runs.values()):.0f} s, untimed)"
+             if compile else ""))
     header = "".join(f"  {kind + ': accept len':>20}  {'tokens/s':>8}  {'speed-up':>8}" for kind in drafters)
     print(f"{'k':>2}{header}")
     for k in ks:

@@ -5,7 +5,9 @@ the N most frequent target tokens of the data (d2t / t2d); training-time test (T
 several draft steps, step j feeding on step j-1's outputs and attending to the real
 context plus its own earlier steps at the same index, exactly what drafting sees; the
 loss is the KL divergence to the target's next-token distribution restricted to the
-draft vocabulary.
+draft vocabulary. With `regenerate`, the text after each window's first quarter is the
+target's own greedy continuation (self-distillation: the drafter learns the text greedy
+decoding will ask it to draft).
 """
 
 import math
@@ -42,6 +44,7 @@ class TrainConfig:
     parallel_depth: int = 8
     cod_ratio: float = 0.7
     cod_floor: float = 0.2
+    regenerate: bool = False  # train on the target's greedy continuations of corpus prompts
 
 
 def check_train_config(c: TrainConfig) -> None:
@@ -74,6 +77,27 @@ def batches(stream: list[int], seq_len: int, batch_size: int, seed: int):
     while True:
         starts = [rng.randrange(0, len(stream) - seq_len) for _ in range(batch_size)]
         yield torch.stack([data[s : s + seq_len] for s in starts])
+
+
+@torch.no_grad()
+def greedy_continuation(model, prompts: torch.Tensor, length: int) -> torch.Tensor:
+    """prompts [B, P] followed by the transformers causal LM's own `length` greedy tokens."""
+    ids = [prompts]
+    out = model(prompts, use_cache=True)
+    for i in range(length):
+        ids.append(out.logits[:, -1:].argmax(-1))
+        if i + 1 < length:
+            out = model(ids[-1], cache=out.cache, use_cache=True)
+    return torch.cat(ids, dim=1)
+
+
+def regenerated_batches(model, windows, batch_size: int, pool: int = 8):
+    """Batches like `windows`' whose last three quarters the target writes itself, `pool` batches at a time."""
+    while True:
+        prompts = torch.cat([next(windows) for _ in range(pool)])
+        prompt_len = max(1, prompts.shape[1] // 4)
+        text = greedy_continuation(model, prompts[:, :prompt_len], prompts.shape[1] - prompt_len)
+        yield from text.split(batch_size)
 
 
 def _rms(x, w, eps):
@@ -320,6 +344,8 @@ def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: 
     cos_sin = rope_cos_sin_cache(config.seq_len + max(config.ttt_steps, config.parallel_depth) + 1, dconfig.head_dim,
                                  dconfig.rope_theta, device=device, scaling=dconfig.rope_scaling)
     data = batches(stream, config.seq_len, config.batch_size, config.seed)
+    if config.regenerate:
+        data = regenerated_batches(target, (b.to(device) for b in data), config.batch_size)
     nodes = torch.Generator().manual_seed(config.seed)
     history = []
     bar = tqdm(range(config.steps), desc="train-drafter", disable=not progress)

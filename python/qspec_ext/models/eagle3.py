@@ -24,6 +24,7 @@ from torch import nn
 
 from .. import ops, reference
 from ..arguments import check_load
+from ..compiled import mark_static
 from ..rope import rope_cos_sin_cache
 from .checkpoint import CheckpointError, check_tensors, load_tensors, read_config, resolve_checkpoint, save_tensors
 from .layers import MLP, Attention, RMSNormWeight, TreeAttention
@@ -302,6 +303,7 @@ class Eagle3Drafter(nn.Module):
         self.max_length, self.batch_size = max_length, batch_size
         shape = (batch_size * max_length, c.num_key_value_heads, c.head_dim)
         self.caches = [(p.new_zeros(shape), p.new_zeros(shape)) for _ in self.layers]
+        mark_static(self.caches)
         self.cos_sin = rope_cos_sin_cache(max_length, c.head_dim, c.rope_theta, torch.float32, p.device, c.rope_scaling)
         self.state = None
 
@@ -330,7 +332,7 @@ class Eagle3Drafter(nn.Module):
             return "norm_before_fc", self.input_norm.weight
         return "none", None
 
-    def forward_pairs(
+    def forward(
         self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, from_features: bool,
         normalized: bool = False, tree: TreeAttention | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -380,7 +382,7 @@ class Eagle3Drafter(nn.Module):
         top = int(positions.max()) if max_position is None else max_position
         if top >= self.max_length:
             raise ValueError(f"Eagle3Drafter.prefill: position {top} beyond the cache ({self.max_length})")
-        logits, x_next = self.forward_pairs(aux_features, next_tokens, positions, True, normalized)
+        logits, x_next = self(aux_features, next_tokens, positions, True, normalized)
         last = positions.argmax(dim=1)
         rows = torch.arange(positions.shape[0], device=positions.device)
         self.state = DraftState(logits[rows, last].float(), x_next[rows, last], positions[rows, last] + 1, top + 1)
@@ -417,7 +419,7 @@ class Eagle3Drafter(nn.Module):
         rows = [logits]
         for _ in range(k - 1):
             token = self.draft_to_target(logits.argmax(dim=-1))
-            step_logits, step_hidden = self.forward_pairs(
+            step_logits, step_hidden = self(
                 hidden[:, None], token[:, None], position[:, None], from_features=False)
             logits, hidden, position = step_logits[:, 0].float(), step_hidden[:, 0], position + 1
             rows.append(logits)
@@ -433,7 +435,7 @@ class Eagle3Drafter(nn.Module):
         positions = self.state.next_position[:, None] + torch.arange(k - 1, device=first.device)
         tokens = torch.full_like(positions, self.config.mask_token_id)
         features = self.mask_hidden.expand(B, k - 1, -1)
-        slots, _ = self.forward_pairs(features, tokens, positions, from_features=True)
+        slots, _ = self(features, tokens, positions, from_features=True)
         return torch.cat([first, slots.float()], dim=1)
 
     @torch.no_grad()
@@ -479,7 +481,7 @@ class Eagle3Drafter(nn.Module):
             seen.scatter_(2, lineage, True)
             tree = TreeAttention(start, seen, self.max_length, first=step * topk)
             positions = (start + step)[:, None].expand(B, topk)
-            logits, x_next = self.forward_pairs(hidden, self.draft_to_target(beam_tokens), positions, False,
+            logits, x_next = self(hidden, self.draft_to_target(beam_tokens), positions, False,
                                                 tree=tree)
             child_scores, child_tokens = torch.log_softmax(logits.float(), dim=-1).topk(topk, dim=-1)
             total = (beam_scores[..., None] + child_scores).view(B, topk * topk)

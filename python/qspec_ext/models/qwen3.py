@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from .. import ops, reference
+from ..compiled import mark_static
 from ..arguments import check_aux_layer_ids, check_load
 from ..aux import AuxHiddenCapture, default_aux_layer_ids
 from ..rope import rope_cos_sin_cache
@@ -129,6 +130,7 @@ class Qwen3Target(nn.Module):
         self.batch_size, self.max_length = batch_size, max_length
         shape = (batch_size * max_length, c.num_key_value_heads, c.head_dim)
         self.caches = [(w.new_zeros(shape), w.new_zeros(shape)) for _ in self.model.layers]
+        mark_static(self.caches)
         self.cos_sin = rope_cos_sin_cache(max_length, c.head_dim, c.rope_theta, torch.float32, w.device, c.rope_scaling)
 
     @torch.no_grad()

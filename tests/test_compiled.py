@@ -1,0 +1,99 @@
+"""Compiled decode steps (compile=True): token for token the eager result, the sampling law
+unchanged, no recompilation for another prompt of the same length bucket."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from test_decode import AUX, PROMPTS, VOCAB, law_pvalue, make_drafter, make_hf, target_law  # noqa: E402
+
+from qspec_ext import HFTarget, Qwen3Target, SpeculativeDecoder, generate_plain  # noqa: E402
+from qspec_ext.compiled import BUCKET  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3-compiled")
+    make_hf().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def pair(target_dir):
+    """One compiled target and drafters shared by the tests (compiling costs seconds per graph)."""
+    target = Qwen3Target.from_pretrained(target_dir, aux_layer_ids=AUX)
+    chain = make_drafter(draft_vocab=60)
+    parallel = make_drafter(parallel_drafting=True, mask_token_id=VOCAB - 1, speculative_tokens=4)
+    return target, chain, parallel
+
+
+def compiled_and_eager(target, drafter, k, prompts, new_tokens=20, **kwargs):
+    compiled = SpeculativeDecoder(target, drafter, k, compile=True, **kwargs).generate(prompts, new_tokens)
+    # the eager reference: the same models with their compiled forwards set aside
+    saved = target._compiled_call_impl, drafter._compiled_call_impl
+    target._compiled_call_impl = drafter._compiled_call_impl = None
+    try:
+        eager = SpeculativeDecoder(target, drafter, k, **kwargs).generate(prompts, new_tokens)
+    finally:
+        target._compiled_call_impl, drafter._compiled_call_impl = saved
+    return compiled, eager
+
+
+@pytest.mark.parametrize("k", range(1, 8))
+@pytest.mark.parametrize("batch", [1, 4])
+def test_compiled_chain_decoding_equals_eager_and_plain(pair, k, batch):
+    target, chain, _ = pair
+    prompts = PROMPTS[:batch]
+    compiled, eager = compiled_and_eager(target, chain, k, prompts)
+    assert compiled.tokens == eager.tokens == generate_plain(target, prompts, 20).tokens
+    assert compiled.stats.accepted_per_position == eager.stats.accepted_per_position
+
+
+def test_compiled_parallel_and_tree_decoding_equal_eager(pair):
+    target, chain, parallel = pair
+    compiled, eager = compiled_and_eager(target, parallel, 4, PROMPTS[:4])
+    assert compiled.tokens == eager.tokens
+    compiled, eager = compiled_and_eager(target, chain, 3, PROMPTS[:4], topk=2, num_draft_tokens=5)
+    assert compiled.tokens == eager.tokens
+    assert compiled.stats.num_accepted_tokens == eager.stats.num_accepted_tokens
+
+
+def test_compiled_plain_decoding_equals_eager(pair):
+    target, _, _ = pair
+    compiled = generate_plain(target, PROMPTS, 20, compile=True)
+    target._compiled_call_impl = None
+    assert compiled.tokens == generate_plain(target, PROMPTS, 20).tokens
+
+
+def test_no_recompilation_for_other_prompts_of_the_same_bucket(pair):
+    from torch._dynamo.utils import counters
+
+    target, chain, _ = pair
+    decoder = SpeculativeDecoder(target, chain, 3, compile=True)
+    decoder.generate([[1, 2, 3], [4, 5]], 12)
+    before = dict(counters["stats"])
+    other = [list(range(7, 7 + BUCKET - 20)), [9] * 30]  # other lengths, the same prompt and cache buckets
+    result = decoder.generate(other, 12)
+    assert dict(counters["stats"]) == before, "the second generate compiled again"
+    assert result.tokens == generate_plain(target, other, 12).tokens
+
+
+def test_compiled_sampling_follows_the_target_distribution(tmp_path):
+    vocab, prompt, n, length = 6, [1, 2, 3], 3000, 3
+    hf = make_hf(vocab=vocab, seed=4, scale=4.0)
+    hf.save_pretrained(tmp_path)
+    target = Qwen3Target.from_pretrained(tmp_path, aux_layer_ids=AUX)
+    law = target_law(hf, prompt, vocab, length, 0.8, None, None)
+    spec = SpeculativeDecoder(target, make_drafter(vocab=vocab), 2, compile=True).generate(
+        [prompt] * n, length, temperature=0.8, seed=5)
+    assert law_pvalue(spec.tokens, law) > 1e-3
+    assert spec.stats.num_accepted_tokens > 0
+
+
+def test_compile_needs_the_built_in_models(target_dir):
+    hf = HFTarget(transformers.AutoModelForCausalLM.from_pretrained(target_dir), aux_layer_ids=AUX)
+    with pytest.raises(ValueError, match="SpeculativeDecoder: compile=True needs a Qwen3Target"):
+        SpeculativeDecoder(hf, make_drafter(), 3, compile=True)
+    with pytest.raises(ValueError, match="generate_plain: compile=True needs a Qwen3Target"):
+        generate_plain(hf, PROMPTS, 4, compile=True)
