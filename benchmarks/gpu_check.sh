@@ -199,7 +199,7 @@ run_step build 240 "${build[@]}" install "${pip_flags[@]}" .
 run_step ptxas 30 "$py" -c "$ptxas_py" "$out/build.log" "$out/ptxas.txt"
 run_step build_info 60 "$py" -c "import json, qspec_ext; i = qspec_ext.build_info(); print(json.dumps(i)); assert i['cuda_kernels'] and i['cuda_available'], i"
 # CPU-only tests are CI's job (every run); here the CUDA cases (device-parametrized ids hold "cuda").
-run_step tests 180 "${pytest[@]}" tests -k cuda
+run_step tests 180 "${pytest[@]}" tests -k "cuda and not test_compiled"
 run_step sanitizer_memcheck 120 "${sanitize[@]}" memcheck \
   "${pytest[@]}" tests -k "cuda and not out_of_range and not compile and not opcheck and not distribution"
 for tool in racecheck synccheck initcheck; do
@@ -211,6 +211,8 @@ for tool in racecheck synccheck initcheck; do
   fi
 done
 run_step cuda_graphs 40 "${pytest[@]}" tests/test_cuda_graphs.py
+# compile=True on CUDA: the decode steps as CUDA graphs (mode="reduce-overhead"), == eager.
+run_step compiled_decode 150 "${pytest[@]}" tests/test_compiled.py -k "cuda and not sampling"
 for bench in benchmarks/bench_*.py; do
   name=$(basename "$bench" .py)
   [ "$name" = bench_decode ] && continue  # the decode step below
@@ -218,6 +220,8 @@ for bench in benchmarks/bench_*.py; do
   run_step "$name" 60 "$py" "$bench" --check --min-time 0.1 --no-compile --json "$out/$name.json"
 done
 # bf16: a mismatch with plain decoding is reported, not a failure (the verify forward rounds differently).
-run_step decode 90 "$py" benchmarks/bench_decode.py --device cuda --dtype bf16 --json "$out/decode.json"
+# Eager vs compiled (CUDA graphs) decoding, and the drafter step / verify forward split.
+run_step decode 180 "$py" benchmarks/bench_decode.py --device cuda --dtype bf16 --modes eager compiled \
+  --json "$out/decode.json"
 sed -n '1,/^## /p' "$out/report.md" | sed '$d'
 exit $status

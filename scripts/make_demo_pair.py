@@ -7,8 +7,9 @@
 3. a small Qwen3 target (8 layers, hidden 192, GQA 3/1 heads of 64, q/k norm) trained from
    scratch on 512-token windows, its held-out cross-entropy measured every 250 steps;
 4. two Qwen3-architecture EAGLE-3 drafters for it (draft vocab 384), trained with
-   `qspec_ext.train.train_drafter`: `draft` a chain drafter with 7 TTT steps, `draft-parallel`
-   a P-EAGLE drafter (parallel drafting, COD depth 8);
+   `qspec_ext.train.train_drafter` on the target's own greedy continuations of corpus windows
+   (`regenerate`): `draft` a chain drafter with 7 TTT steps, `draft-parallel` a P-EAGLE
+   drafter (parallel drafting, COD depth 8);
 weights saved in bf16, and the loss curves in loss_curves.json / loss_curves.png.
 On the 2-core CPU of the dev machine this takes about 75 minutes (see the README).
 """
@@ -122,7 +123,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "python/qspec_ext/demo_pair"))
     parser.add_argument("--target-steps", type=int, default=2000)
-    parser.add_argument("--drafter-steps", type=int, default=1000)
+    parser.add_argument("--drafter-steps", type=int, default=1200)
     parser.add_argument("--skip-target", action="store_true", help="reuse the target already in --out")
     parser.add_argument("--only", choices=["draft", "draft-parallel"], help="train only this drafter")
     args = parser.parse_args()
@@ -137,7 +138,9 @@ def main():
         train_target(tokenizer, train_files, out / "target", args.target_steps, curves)
         curves_path.write_text(json.dumps(curves))
         print(f"target trained in {time.time() - start:.0f} s", flush=True)
-    common = dict(steps=args.drafter_steps, draft_vocab=384, arch="qwen3", seq_len=256, batch_size=8, lr=2e-3, seed=0)
+    # Both drafters learn from the target's own greedy continuations (regenerate): the text they will draft.
+    common = dict(steps=args.drafter_steps, draft_vocab=384, arch="qwen3", seq_len=256, batch_size=8, lr=2e-3, seed=0,
+                  regenerate=True)
     drafters = {"draft": TrainConfig(ttt_steps=7, **common),
                 "draft-parallel": TrainConfig(parallel=True, parallel_depth=8, **common)}
     for name, config in drafters.items():

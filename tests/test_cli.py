@@ -38,6 +38,14 @@ def test_parallel_and_tree_drafting_from_the_command_line(capsys):
     assert tree["stats"]["num_draft_tokens"] == 5 * tree["stats"]["num_drafts"]
 
 
+def test_compiled_generation_from_the_command_line(capsys):
+    eager = generate_json(["--prompt", "def main():\n"], capsys)
+    compiled = generate_json(["--prompt", "def main():\n", "--compile"], capsys)
+    assert compiled["outputs"][0]["token_ids"] == eager["outputs"][0]["token_ids"]
+    assert qspec_main(["generate", "--prompt", "x", "--compile", "--hf-target"]) == 2
+    assert "compile=True needs a Qwen3Target and an Eagle3Drafter" in capsys.readouterr().err
+
+
 def test_parallel_with_a_chain_drafter_is_refused(capsys):
     assert qspec_main(["generate", "--target", str(DEMO_DIR / "target"), "--draft", str(DEMO_DIR / "draft"),
                        "--prompt", "x", "--parallel"]) == 2

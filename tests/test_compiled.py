@@ -6,25 +6,37 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_decode import AUX, PROMPTS, VOCAB, law_pvalue, make_drafter, make_hf, target_law  # noqa: E402
+from test_decode import PROMPTS, VOCAB, hf_config, law_pvalue, make_drafter, target_law  # noqa: E402
+
+from conftest import DEVICES  # noqa: E402
 
 from qspec_ext import HFTarget, Qwen3Target, SpeculativeDecoder, generate_plain  # noqa: E402
 from qspec_ext.compiled import BUCKET  # noqa: E402
+
+SMALL_AUX = [1, 2, 3]  # a 3-layer target: each graph compiles in a few seconds
+
+
+def small_hf(vocab=VOCAB, seed=0, scale=1.0):
+    torch.manual_seed(seed)
+    model = transformers.Qwen3ForCausalLM(hf_config(vocab, layers=3)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    return model
 
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3-compiled")
-    make_hf().save_pretrained(path)
+    small_hf().save_pretrained(path)
     return path
 
 
-@pytest.fixture(scope="module")
-def pair(target_dir):
-    """One compiled target and drafters shared by the tests (compiling costs seconds per graph)."""
-    target = Qwen3Target.from_pretrained(target_dir, aux_layer_ids=AUX)
-    chain = make_drafter(draft_vocab=60)
-    parallel = make_drafter(parallel_drafting=True, mask_token_id=VOCAB - 1, speculative_tokens=4)
+@pytest.fixture(scope="module", params=DEVICES)
+def pair(request, target_dir):
+    """One compiled target and drafters per device, shared by the tests (compiling costs seconds per graph)."""
+    target = Qwen3Target.from_pretrained(target_dir, aux_layer_ids=SMALL_AUX, device=request.param)
+    chain = make_drafter(draft_vocab=60).to(request.param)
+    parallel = make_drafter(parallel_drafting=True, mask_token_id=VOCAB - 1, speculative_tokens=4).to(request.param)
     return target, chain, parallel
 
 
@@ -81,9 +93,9 @@ def test_no_recompilation_for_other_prompts_of_the_same_bucket(pair):
 
 def test_compiled_sampling_follows_the_target_distribution(tmp_path):
     vocab, prompt, n, length = 6, [1, 2, 3], 3000, 3
-    hf = make_hf(vocab=vocab, seed=4, scale=4.0)
+    hf = small_hf(vocab=vocab, seed=4, scale=4.0)
     hf.save_pretrained(tmp_path)
-    target = Qwen3Target.from_pretrained(tmp_path, aux_layer_ids=AUX)
+    target = Qwen3Target.from_pretrained(tmp_path, aux_layer_ids=SMALL_AUX)
     law = target_law(hf, prompt, vocab, length, 0.8, None, None)
     spec = SpeculativeDecoder(target, make_drafter(vocab=vocab), 2, compile=True).generate(
         [prompt] * n, length, temperature=0.8, seed=5)
@@ -91,8 +103,34 @@ def test_compiled_sampling_follows_the_target_distribution(tmp_path):
     assert spec.stats.num_accepted_tokens > 0
 
 
+@pytest.mark.parametrize("compile", [False, True])
+def test_decode_memory_does_not_grow_per_step(pair, compile):
+    """Python-side allocations (tensor handles included) at the end of a 240-token run are those
+    of a 40-token run plus the generated ids; on CUDA, the device memory too."""
+    import tracemalloc
+
+    target, chain, _ = pair
+    decoder = SpeculativeDecoder(target, chain, 1, compile=compile)
+    cuda = target.lm_head.weight.device.type == "cuda"
+
+    def footprint(new_tokens):
+        decoder.generate([[1, 2, 3]], new_tokens)  # warm: graphs, caches of this length bucket
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        tracemalloc.start()
+        result = decoder.generate([[1, 2, 3]], new_tokens)
+        current, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert result.stats.num_drafts >= new_tokens // 2
+        return peak, torch.cuda.max_memory_allocated() if cuda else 0
+
+    short, long = footprint(40), footprint(240)
+    assert long[0] - short[0] < 64 * 1024, f"{long[0] - short[0]} more bytes traced over 200 more tokens"
+    assert long[1] - short[1] < 1 << 20
+
+
 def test_compile_needs_the_built_in_models(target_dir):
-    hf = HFTarget(transformers.AutoModelForCausalLM.from_pretrained(target_dir), aux_layer_ids=AUX)
+    hf = HFTarget(transformers.AutoModelForCausalLM.from_pretrained(target_dir), aux_layer_ids=SMALL_AUX)
     with pytest.raises(ValueError, match="SpeculativeDecoder: compile=True needs a Qwen3Target"):
         SpeculativeDecoder(hf, make_drafter(), 3, compile=True)
     with pytest.raises(ValueError, match="generate_plain: compile=True needs a Qwen3Target"):

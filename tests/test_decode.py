@@ -18,9 +18,9 @@ VOCAB, H, LAYERS = 97, 64, 6
 AUX = [1, 3, 5]
 
 
-def hf_config(vocab=VOCAB, tie=False):
+def hf_config(vocab=VOCAB, tie=False, layers=LAYERS):
     return transformers.Qwen3Config(
-        vocab_size=vocab, hidden_size=H, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
+        vocab_size=vocab, hidden_size=H, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=tie, rope_theta=10000.0,
         eos_token_id=None,
     )

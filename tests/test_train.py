@@ -212,6 +212,29 @@ def test_trainer_learns_every_ttt_step_of_a_predictable_target(tmp_path):
     assert all(a > 0.6 for a in final), f"accuracy per TTT step {final}"  # shifted by one: ~1/64
 
 
+def test_regenerated_training_data_is_the_targets_greedy_continuation(tiny_target):
+    from qspec_ext.train import batches, greedy_continuation, regenerated_batches
+
+    target = transformers.AutoModelForCausalLM.from_pretrained(tiny_target / "target").eval()
+    prompts = torch.randint(0, target.config.vocab_size, (3, 5))
+    expected = target.generate(prompts, max_new_tokens=7, min_new_tokens=7, do_sample=False,
+                               attention_mask=torch.ones_like(prompts))
+    assert torch.equal(greedy_continuation(target, prompts, 7), expected)
+    windows = batches(list(range(1, 200)), 16, 2, seed=0)
+    served = [next(data) for data in [regenerated_batches(target, windows, 2, pool=2)] for _ in range(4)]
+    pool = torch.cat(served[:2])
+    assert sorted(map(tuple, pool.tolist())) == sorted(map(tuple, torch.cat(served[2:]).tolist())), "served twice"
+    assert torch.equal(pool[:, 4:], greedy_continuation(target, pool[:, :4], 12)[:, 4:]), "prompt: a quarter"
+
+
+def test_training_on_regenerated_data_lowers_the_loss(tiny_target, tmp_path):
+    config = TrainConfig(steps=30, ttt_steps=2, draft_vocab=120, seq_len=48, batch_size=4, lr=3e-3, seed=0,
+                         regenerate=True)
+    _, history = train_drafter(tiny_target / "target", [tiny_target / "code.py"], tmp_path / "draft", config,
+                               progress=False)
+    assert_loss_falls(history)
+
+
 def test_shipped_pair_accepts_drafts():
     """The shipped drafter fits the shipped target: greedy acceptance length at k = 3 on held-out
     prompts (a drafter fed misaligned pairs falls far below)."""

@@ -91,13 +91,16 @@ def greedy_continuation(model, prompts: torch.Tensor, length: int) -> torch.Tens
     return torch.cat(ids, dim=1)
 
 
-def regenerated_batches(model, windows, batch_size: int, pool: int = 8):
-    """Batches like `windows`' whose last three quarters the target writes itself, `pool` batches at a time."""
+def regenerated_batches(model, windows, batch_size: int, pool: int = 8, passes: int = 2):
+    """Batches like `windows`' whose last three quarters the target writes itself, `pool` batches
+    at a time, each pool served `passes` times (reshuffled): generating costs about a training step."""
+    generator = torch.Generator().manual_seed(0)
     while True:
         prompts = torch.cat([next(windows) for _ in range(pool)])
         prompt_len = max(1, prompts.shape[1] // 4)
         text = greedy_continuation(model, prompts[:, :prompt_len], prompts.shape[1] - prompt_len)
-        yield from text.split(batch_size)
+        for _ in range(passes):
+            yield from text[torch.randperm(len(text), generator=generator).to(text.device)].split(batch_size)
 
 
 def _rms(x, w, eps):

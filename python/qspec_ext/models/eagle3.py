@@ -416,14 +416,15 @@ class Eagle3Drafter(nn.Module):
     def draft_chain(self, k: int) -> torch.Tensor:
         """The logits [B, k, Vd] of k sequential draft steps."""
         logits, hidden, position = self.state.logits, self.state.hidden, self.state.next_position
-        rows = [logits]
-        for _ in range(k - 1):
+        # Copied out at each step: a compiled step (a CUDA graph) reuses its output buffers.
+        rows = logits.new_empty(logits.shape[0], k, logits.shape[1])
+        rows[:, 0] = logits
+        for i in range(1, k):
             token = self.draft_to_target(logits.argmax(dim=-1))
-            step_logits, step_hidden = self(
-                hidden[:, None], token[:, None], position[:, None], from_features=False)
-            logits, hidden, position = step_logits[:, 0].float(), step_hidden[:, 0], position + 1
-            rows.append(logits)
-        return torch.stack(rows, dim=1)
+            step_logits, hidden = self(hidden[:, None], token[:, None], position[:, None], from_features=False)
+            rows[:, i] = logits = step_logits[:, 0]
+            hidden, position = hidden[:, 0], position + 1
+        return rows
 
     def draft_parallel(self, k: int) -> torch.Tensor:
         """The logits [B, k, Vd] of one P-EAGLE forward: the last prefilled pair gives draft 1,
@@ -481,8 +482,7 @@ class Eagle3Drafter(nn.Module):
             seen.scatter_(2, lineage, True)
             tree = TreeAttention(start, seen, self.max_length, first=step * topk)
             positions = (start + step)[:, None].expand(B, topk)
-            logits, x_next = self(hidden, self.draft_to_target(beam_tokens), positions, False,
-                                                tree=tree)
+            logits, x_next = self(hidden, self.draft_to_target(beam_tokens), positions, False, tree=tree)
             child_scores, child_tokens = torch.log_softmax(logits.float(), dim=-1).topk(topk, dim=-1)
             total = (beam_scores[..., None] + child_scores).view(B, topk * topk)
             scores.append(total)

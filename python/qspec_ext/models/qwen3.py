@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from .. import ops, reference
-from ..compiled import mark_static
 from ..arguments import check_aux_layer_ids, check_load
 from ..aux import AuxHiddenCapture, default_aux_layer_ids
+from ..compiled import mark_static
 from ..rope import rope_cos_sin_cache
 from .checkpoint import CheckpointError, check_tensors, load_tensors, read_config, resolve_checkpoint
 from .layers import MLP, Attention, RMSNormWeight, TreeAttention, keep_path
