@@ -54,9 +54,11 @@ def timed(device: str, generate):
     return result, result.stats.num_generated_tokens / (time.perf_counter() - start)
 
 
-def step_times(device: str, target, drafter, batch: int, k: int, repeats: int = 50) -> tuple[float, float]:
+def step_times(device: str, target, drafter, batch: int, k: int, repeats: int = 50,
+               profile: str | None = None) -> tuple[float, float]:
     """Seconds per target verify forward (k + 1 tokens per request) and per drafter step (one
-    token), on the caches the last generate call left."""
+    token), on the caches the last generate call left; ``profile``: print the top ops of the
+    drafter steps under that title."""
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     tokens = torch.ones(batch, k + 1, dtype=torch.long, device=device)
     positions = torch.arange(8, 9 + k, device=device).expand(batch, -1).contiguous()
@@ -74,6 +76,15 @@ def step_times(device: str, target, drafter, batch: int, k: int, repeats: int = 
                 call()
             sync()
         seconds[name] = (time.perf_counter() - start) / repeats
+    if profile:
+        from torch.profiler import profile as profiler
+
+        with torch.no_grad(), profiler() as prof:
+            for _ in range(repeats):
+                calls["drafter"]()
+            sync()
+        print(f"\n{profile}: one drafter step, {repeats} calls")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=48))
     return seconds["target"], seconds["drafter"]
 
 
@@ -90,6 +101,7 @@ def main() -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=DTYPES, default="fp32", help="weights and activations")
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    parser.add_argument("--profile", action="store_true", help="print the profile of a drafter step in each mode")
     parser.add_argument("--check", action="store_true", help="fail if greedy speculative output differs from plain")
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--min-time", type=float, default=0.0, help="accepted for gpu_check.sh; unused")
@@ -127,7 +139,8 @@ def main() -> int:
                 if spec.tokens != plain.tokens:
                     failures += 1
                     print(f"MISMATCH: {drafting} mode={mode} batch={batch}: speculative output differs")
-                target_s, drafter_s = step_times(args.device, target, decoder.drafter, batch, args.k)
+                title = f"{mode}, batch {batch}" if args.profile and drafting == "chain" else None
+                target_s, drafter_s = step_times(args.device, target, decoder.drafter, batch, args.k, profile=title)
                 rows.append(dict(mode=mode, batch=batch, drafting=drafting, k=args.k,
                                  num_draft_tokens=decoder.drafting.num_draft_tokens,
                                  plain_tokens_per_s=plain_rate, spec_tokens_per_s=spec_rate,

@@ -11,7 +11,7 @@
    (`regenerate`): `draft` a chain drafter with 7 TTT steps, `draft-parallel` a P-EAGLE
    drafter (parallel drafting, COD depth 8);
 weights saved in bf16, and the loss curves in loss_curves.json / loss_curves.png.
-On the 2-core CPU of the dev machine this takes about 75 minutes (see the README).
+On the 2-core CPU of the dev machine this takes about 100 minutes (see the README).
 """
 
 import argparse

@@ -60,6 +60,12 @@ class AuxHiddenCapture:
         if residual is not None:
             self._residual[layer_id] = residual.reshape(-1, residual.shape[-1])
 
+    def store(self, records: list[tuple[int, torch.Tensor, torch.Tensor | None]]) -> None:
+        """Replaces what is recorded with these (layer id, hidden, residual) of one forward. New
+        dicts, not the old ones mutated: a compiled forward then has no guard on their contents."""
+        self._hidden = {i: h.reshape(-1, h.shape[-1]) for i, h, _ in records if i in self.layer_ids}
+        self._residual = {i: r.reshape(-1, r.shape[-1]) for i, h, r in records if i in self.layer_ids and r is not None}
+
     def features(self) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         missing = [i for i in self.layer_ids if i not in self._hidden]
         if missing:

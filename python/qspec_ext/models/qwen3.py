@@ -145,17 +145,17 @@ class Qwen3Target(nn.Module):
         if not self.caches or B != self.batch_size:
             raise RuntimeError(f"Qwen3Target: call setup({B}, max_length) first")
         aux = set(self.aux_layer_ids)
-        self.capture.clear()
+        records = []  # (aux layer, hidden, residual): stored at once, see AuxHiddenCapture.store
         x = self.model.embed_tokens(tokens.reshape(-1))
         residual, out = x, None
         captured = 0 in aux  # residual is the recorded embeddings: layer 0 updates it out of place
         if captured:
-            self.capture.record(0, x)
+            records.append((0, x, None))
         for i, layer in enumerate(self.model.layers):
             if i == 0:
                 u = o.rms_norm(x, layer.input_layernorm.weight, c.rms_norm_eps)
             elif i in aux:  # keep (out, residual) intact: the stream entering layer i, by reference
-                self.capture.record(i, out, residual)
+                records.append((i, out, residual))
                 residual = residual + out
                 u = o.rms_norm(residual, layer.input_layernorm.weight, c.rms_norm_eps)
             else:
@@ -171,11 +171,12 @@ class Qwen3Target(nn.Module):
                 o.fused_add_rms_norm_(attn_out, residual, layer.post_attention_layernorm.weight, c.rms_norm_eps)
             out = layer.mlp(attn_out)
         if c.num_hidden_layers in aux:
-            self.capture.record(c.num_hidden_layers, out, residual)
+            records.append((c.num_hidden_layers, out, residual))
             z = o.rms_norm(residual + out, self.model.norm.weight, c.rms_norm_eps)
         else:
             o.fused_add_rms_norm_(out, residual, self.model.norm.weight, c.rms_norm_eps)
             z = out
+        self.capture.store(records)
         z = z.view(B, T, -1)
         if last_only:
             z = z[torch.arange(B, device=z.device), positions.argmax(dim=1)]
