@@ -4,7 +4,7 @@ ops, and compiled (compile=True: static-shape graphs, CUDA graphs on CUDA).
 
     python benchmarks/bench_decode.py [--target DIR --draft DIR [--draft-parallel DIR]] [-k 3]
                                       [--topk 4 --num-draft-tokens 16] [--batch 1 4] [--device cuda]
-                                      [--dtype bf16] [--modes eager compiled] [--json PATH]
+                                      [--dtype bf16] [--modes eager compiled] [--profile] [--json PATH]
 
 The pair defaults to the shipped demo pair (python/qspec_ext/demo_pair, its chain drafter
 for chains and trees, its P-EAGLE drafter for parallel drafting); prompts are held-out
