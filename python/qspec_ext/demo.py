@@ -103,7 +103,8 @@ def run_demo(quick: bool = False, device: str = "cpu", max_new_tokens: int | Non
     identical = all(run.tokens == plain.tokens for run in runs.values())
     print(f"greedy speculative output identical to plain decoding: {'yes' if identical else 'NO'}")
     print(f"plain decoding: {plain.stats.tokens_per_second:.1f} tokens/s (one request at a time)"
-          + (f"; compiled steps (compile time {sum(r.stats.compile_time for r in runs.values()):.0f} s, untimed)"
+          + (f"; compiled steps (compile time {sum(r.stats.compile_time for r in [plain, *runs.values()]):.0f} s, "
+             f"untimed)"
              if compile else ""))
     header = "".join(f"  {kind + ': accept len':>20}  {'tokens/s':>8}  {'speed-up':>8}" for kind in drafters)
     print(f"{'k':>2}{header}")
