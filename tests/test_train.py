@@ -248,7 +248,7 @@ def test_shipped_pair_accepts_drafts():
     tokenizer = Tokenizer.from_file(str(DEMO_DIR / "target" / "tokenizer.json"))
     prompts = [tokenizer.encode(t).ids for t in demo_prompts(2)]
     result = SpeculativeDecoder(target, drafter, 3).generate(prompts, 32)
-    assert result.stats.mean_acceptance_length >= 2.0, result.stats.mean_acceptance_length
+    assert result.stats.mean_acceptance_length >= 2.8, result.stats.mean_acceptance_length  # measured 3.37
 
 
 def test_shipped_target_models_held_out_code():
@@ -284,7 +284,7 @@ def test_shipped_parallel_drafter_drafts_in_parallel_and_accepts():
     decoder = SpeculativeDecoder(target, drafter, 4)
     assert type(decoder.drafting).__name__ == "ParallelDrafting"
     result = decoder.generate(prompts, 32)
-    assert result.stats.mean_acceptance_length >= 1.4, result.stats.mean_acceptance_length
+    assert result.stats.mean_acceptance_length >= 1.8, result.stats.mean_acceptance_length  # measured 2.07
 
 
 def test_shipped_pair_loads_in_qspec_ext_and_transformers():
