@@ -6,7 +6,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_decode import PROMPTS, VOCAB, hf_config, law_pvalue, make_drafter, target_law  # noqa: E402
+from test_decode import PROMPTS, VOCAB, law_pvalue, make_drafter, make_hf, target_law  # noqa: E402
 
 from conftest import DEVICES  # noqa: E402
 
@@ -16,18 +16,10 @@ from qspec_ext.compiled import BUCKET  # noqa: E402
 SMALL_AUX = [1, 2, 3]  # a 3-layer target: each graph compiles in a few seconds
 
 
-def small_hf(vocab=VOCAB, seed=0, scale=1.0):
-    torch.manual_seed(seed)
-    model = transformers.Qwen3ForCausalLM(hf_config(vocab, layers=3)).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(scale)
-    return model
-
-
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3-compiled")
-    small_hf().save_pretrained(path)
+    make_hf(layers=3).save_pretrained(path)
     return path
 
 
@@ -93,7 +85,7 @@ def test_no_recompilation_for_other_prompts_of_the_same_bucket(pair):
 
 def test_compiled_sampling_follows_the_target_distribution(tmp_path):
     vocab, prompt, n, length = 6, [1, 2, 3], 3000, 3
-    hf = small_hf(vocab=vocab, seed=4, scale=4.0)
+    hf = make_hf(vocab=vocab, seed=4, scale=4.0, layers=3)
     hf.save_pretrained(tmp_path)
     target = Qwen3Target.from_pretrained(tmp_path, aux_layer_ids=SMALL_AUX)
     law = target_law(hf, prompt, vocab, length, 0.8, None, None)

@@ -26,9 +26,9 @@ def hf_config(vocab=VOCAB, tie=False, layers=LAYERS):
     )
 
 
-def make_hf(vocab=VOCAB, tie=False, seed=0, scale=1.0):
+def make_hf(vocab=VOCAB, tie=False, seed=0, scale=1.0, layers=LAYERS):
     torch.manual_seed(seed)
-    model = transformers.Qwen3ForCausalLM(hf_config(vocab, tie)).eval()
+    model = transformers.Qwen3ForCausalLM(hf_config(vocab, tie, layers)).eval()
     if scale != 1.0:
         with torch.no_grad():
             model.lm_head.weight.mul_(scale)
