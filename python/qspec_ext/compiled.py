@@ -1,7 +1,8 @@
-"""Decode steps without per-op overhead: the target's and the drafter's forward compiled as
-static-shape graphs (``nn.Module.compile(fullgraph=True, dynamic=False)``), the custom ops
-inside them through their fake kernels; inductor on CPU, CUDA graphs
-(``mode="reduce-overhead"``) on CUDA.
+"""Decode steps without per-op overhead: a whole speculative step (draft, verify forward,
+verification, drafter prefill) and the models' own forwards (prompt prefill, plain decoding)
+compiled as static-shape graphs (``fullgraph=True, dynamic=False``), the custom ops inside
+them through their fake kernels; inductor on CPU, CUDA graphs (``mode="reduce-overhead"``) on
+CUDA.
 
 Shapes are fixed per ``generate`` call: batch, drafts per step, and lengths rounded up to a
 multiple of :data:`BUCKET` (the cache, and the prompt prefill, padded with position -1), so
@@ -24,8 +25,16 @@ def compile_for_decoding(where: str, *models) -> None:
             raise ValueError(f"{where}: compile=True needs a Qwen3Target and an Eagle3Drafter (static caches, "
                              f"one graph per step), got {type(model).__name__}")
         if getattr(model, "_compiled_call_impl", None) is None:
-            cuda = model.lm_head.weight.device.type == "cuda"
-            model.compile(fullgraph=True, dynamic=False, mode="reduce-overhead" if cuda else None)
+            model.compile(fullgraph=True, dynamic=False, mode=_mode(model.lm_head.weight.device))
+
+
+def compiled_step(step, device: torch.device):
+    """``step`` (a function of device tensors, no host synchronization) as one graph per shape."""
+    return torch.compile(step, fullgraph=True, dynamic=False, mode=_mode(device))
+
+
+def _mode(device: torch.device) -> str | None:
+    return "reduce-overhead" if torch.device(device).type == "cuda" else None
 
 
 def bucketed(length: int, compiled: bool) -> int:

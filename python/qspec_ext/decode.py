@@ -5,9 +5,10 @@ Each step: the drafting strategy proposes drafts (a chain, P-EAGLE's parallel dr
 tree: see drafting/) -> target.forward([last, drafts]) -> the strategy verifies them and
 keeps the accepted path -> gather_aux_hidden of the accepted rows -> drafter.prefill of
 those pairs (which also rewinds the drafter's cache); the target's cache is rewound the
-same way, by the next step's positions. The only host synchronization per step reads the
-accepted counts, which stopping needs. ``compile=True`` runs the models' forwards as static-shape
-graphs (compiled.py).
+same way, by the next step's positions. All of that is one device-side function
+(:meth:`SpeculativeDecoder._step`); the only host synchronization per step reads the accepted
+counts, which stopping needs. ``compile=True`` runs that step as one static-shape graph, and
+the prompt prefill through the models' compiled forwards (compiled.py).
 """
 
 import time
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .arguments import check_int, check_pair, check_prompts, check_sampling
-from .compiled import bucketed, compile_for_decoding
+from .compiled import bucketed, compile_for_decoding, compiled_step
 from .drafting import make_drafting
 from .sampling import apply_top_k_top_p
 
@@ -199,8 +200,10 @@ class SpeculativeDecoder:
         self.drafting = make_drafting(target, drafter, num_speculative_tokens, topk, num_draft_tokens)
         self.max_length = max_length or target.config.max_position_embeddings
         self.compiled = compile
+        self.step = self._step
         if compile:
             compile_for_decoding("SpeculativeDecoder", target, drafter)
+            self.step = compiled_step(self._step, drafter.fc.weight.device)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
@@ -242,28 +245,11 @@ class SpeculativeDecoder:
         seeds = None if temperature == 0.0 else torch.tensor([seed * 1_000_003 + b for b in range(batch)], device=device)
         while not all(done):
             active = ~torch.tensor(done, device=device)
-            proposal = drafting.propose(torch.where(active, position, -1))
-            tokens = torch.cat([last[:, None], proposal.draft_ids], dim=1)
-            logits = target(tokens, torch.where(active[:, None], position[:, None] + proposal.depths, -1),
-                            tree=proposal.tree)
-            if seeds is not None:
-                logits = sampler.process(logits)
-            out, accepted, path = drafting.verify(proposal, logits, seeds, position + 1)
+            # The drafter writes no position past this bound; a compiled step takes no host ints
+            # (each value would be a new graph) and checks nothing: the cache has room for every step.
+            top = None if self.compiled else max(position_host[b] for b in range(batch) if not done[b]) + drafting.max_depth
+            out, accepted, last, position = self.step(last, position, active, seeds, sampler, top)
             out_host, accepted_host = out.tolist(), accepted.tolist()  # the one sync: stopping needs it
-            drafting.keep(proposal, path)
-            last = out.gather(1, accepted[:, None])[:, 0]
-            # The drafter's next pairs: features of the accepted path [last, drafts...] with the
-            # tokens after them, at consecutive positions (a fixed width: one shape per step).
-            width = drafting.max_depth + 1
-            path, out = path[:, :width], out[:, :width]
-            keep = (path >= 0) & active[:, None]
-            rows = torch.where(keep, torch.arange(batch, device=device)[:, None] * tokens.shape[1] + path, -1)
-            fc_input = target.capture.gather(rows.reshape(-1), norm_mode, norm_weight, eps)
-            pair_positions = torch.where(keep, position[:, None] + torch.arange(width, device=device), -1)
-            top = max(position_host[b] + accepted_host[b] for b in range(batch) if not done[b])
-            drafter.prefill(fc_input.view(batch, width, -1), out.clamp(min=0), pair_positions, normalized=True,
-                            max_position=top)
-            position = position + accepted + 1
             position_host = [p + a + 1 for p, a in zip(position_host, accepted_host)]
 
             for b in range(batch):
@@ -279,3 +265,29 @@ class SpeculativeDecoder:
         stats.num_generated_tokens = sum(map(len, generated))
         stats.wall_time = time.perf_counter() - start
         return GenerateResult(generated, stats)
+
+    def _step(self, last: torch.Tensor, position: torch.Tensor, active: torch.Tensor, seeds: torch.Tensor | None,
+              sampler: "_Sampler", top: int | None) -> tuple[torch.Tensor, ...]:
+        """One step on the device, no host synchronization (compile=True: one graph): draft,
+        verify in one target forward, keep the accepted path, prefill the drafter with it.
+        Returns (out_ids, num_accepted, the new last token, its position); ``top`` bounds the
+        positions the drafter's prefill writes (None: unchecked)."""
+        target, drafter, drafting = self.target, self.drafter, self.drafting
+        proposal = drafting.propose(torch.where(active, position, -1))
+        tokens = torch.cat([last[:, None], proposal.draft_ids], dim=1)
+        logits = target(tokens, torch.where(active[:, None], position[:, None] + proposal.depths, -1), tree=proposal.tree)
+        if seeds is not None:
+            logits = sampler.process(logits)
+        out, accepted, path = drafting.verify(proposal, logits, seeds, position + 1)
+        drafting.keep(proposal, path)
+        # The drafter's next pairs: features of the accepted path [last, drafts...] with the
+        # tokens after them, at consecutive positions (a fixed width: one shape per step).
+        batch, width = tokens.shape[0], drafting.max_depth + 1
+        keep = (path[:, :width] >= 0) & active[:, None]
+        rows = torch.where(keep, torch.arange(batch, device=last.device)[:, None] * tokens.shape[1] + path[:, :width], -1)
+        norm_mode, norm_weight = drafter.fc_norm_mode()
+        fc_input = target.capture.gather(rows.reshape(-1), norm_mode, norm_weight, drafter.config.rms_norm_eps)
+        pair_positions = torch.where(keep, position[:, None] + torch.arange(width, device=last.device), -1)
+        drafter.prefill(fc_input.view(batch, width, -1), out[:, :width].clamp(min=0), pair_positions, normalized=True,
+                        max_position=top)
+        return out, accepted, out.gather(1, accepted[:, None])[:, 0], position + accepted + 1

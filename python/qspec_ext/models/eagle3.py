@@ -243,7 +243,6 @@ class DraftState:
     logits: torch.Tensor  # [B, Vd] draft logits at the last prefilled pair
     hidden: torch.Tensor  # [B, H] x_next of that pair
     next_position: torch.Tensor  # [B] int64
-    max_next_position: int  # host copy of next_position.max(), so draft() needs no sync
 
 
 def check_vocab_mapping(file: Path, d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int) -> None:
@@ -294,6 +293,7 @@ class Eagle3Drafter(nn.Module):
         self.max_length = 0
         self.cos_sin: torch.Tensor | None = None
         self.state: DraftState | None = None
+        self.max_next_position = 0  # host copy of state.next_position.max(): draft() checks with no sync
 
     # ------------------------------------------------------------------ caches
     def setup_caches(self, batch_size: int, max_length: int) -> None:
@@ -378,14 +378,20 @@ class Eagle3Drafter(nn.Module):
         the last pair of each request as the start of the next :meth:`draft`. Also used after a
         verification with the accepted tokens (positions rewind the cache). ``normalized``: the
         features are already the fc input (gathered with :meth:`fc_norm_mode`). ``max_position``:
-        the largest position, when the caller knows it (saves a host synchronization)."""
-        top = int(positions.max()) if max_position is None else max_position
-        if top >= self.max_length:
-            raise ValueError(f"Eagle3Drafter.prefill: position {top} beyond the cache ({self.max_length})")
+        the largest position or a bound of it, when the caller knows one (saves a host
+        synchronization).
+
+        Inside a compiled decode step (``torch.compiler.is_compiling()``) the host-side checks
+        here and in :meth:`draft` are skipped: SpeculativeDecoder sized the caches for every step."""
+        if not torch.compiler.is_compiling():
+            top = int(positions.max()) if max_position is None else max_position
+            if top >= self.max_length:
+                raise ValueError(f"Eagle3Drafter.prefill: position {top} beyond the cache ({self.max_length})")
+            self.max_next_position = top + 1
         logits, x_next = self(aux_features, next_tokens, positions, True, normalized)
         last = positions.argmax(dim=1)
         rows = torch.arange(positions.shape[0], device=positions.device)
-        self.state = DraftState(logits[rows, last].float(), x_next[rows, last], positions[rows, last] + 1, top + 1)
+        self.state = DraftState(logits[rows, last].float(), x_next[rows, last], positions[rows, last] + 1)
         return logits
 
     @torch.no_grad()
@@ -405,9 +411,9 @@ class Eagle3Drafter(nn.Module):
             raise ValueError(f"Eagle3Drafter.draft: {'parallel' if parallel else 'chain'} drafting asked of {kind}")
         if self.state is None:
             raise RuntimeError("Eagle3Drafter.draft: call prefill first")
-        if self.state.max_next_position + k - 1 > self.max_length:
+        if not torch.compiler.is_compiling() and self.max_next_position + k - 1 > self.max_length:
             raise ValueError(
-                f"Eagle3Drafter.draft: {k} drafts from position {self.state.max_next_position} overrun the cache "
+                f"Eagle3Drafter.draft: {k} drafts from position {self.max_next_position} overrun the cache "
                 f"({self.max_length})")
         logits = self.draft_parallel(k) if parallel else self.draft_chain(k)
         drafts = self.draft_to_target(logits.argmax(dim=-1))
@@ -462,9 +468,9 @@ class Eagle3Drafter(nn.Module):
         if not 1 <= num_draft_tokens <= candidates:
             raise ValueError(f"Eagle3Drafter.draft_tree: num_draft_tokens must be in [1, {candidates}] "
                              f"(topk + (depth - 1) * topk^2 candidates), got {num_draft_tokens}")
-        if self.state.max_next_position + (depth - 1) * topk > self.max_length:
+        if not torch.compiler.is_compiling() and self.max_next_position + (depth - 1) * topk > self.max_length:
             raise ValueError(f"Eagle3Drafter.draft_tree: a tree of depth {depth} and topk {topk} from position "
-                             f"{self.state.max_next_position} overruns the cache ({self.max_length})")
+                             f"{self.max_next_position} overruns the cache ({self.max_length})")
         state = self.state
         B, device = state.logits.shape[0], state.logits.device
         beam_scores, beam_tokens = torch.log_softmax(state.logits.float(), dim=-1).topk(topk, dim=-1)

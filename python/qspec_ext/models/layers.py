@@ -118,9 +118,8 @@ def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
     batch, nodes = parents.shape
     device = parents.device
     reach = torch.eye(nodes + 1, dtype=torch.bool, device=device).expand(batch, -1, -1).clone()
-    child = torch.arange(1, nodes + 1, device=device).expand(batch, -1)
-    used = parents >= 0
-    reach[torch.arange(batch, device=device)[:, None].expand(-1, nodes)[used], child[used], parents[used].long()] = True
+    # Row i+1 marks its parent (an unused node writes False over column 0, already False).
+    reach[:, 1:].scatter_(2, parents.long().clamp(min=0)[..., None], (parents >= 0)[..., None])
     # Pointer doubling: after i rounds each row holds its ancestors up to 2^i levels up.
     for _ in range(max(1, (nodes + 1).bit_length())):
         reach = (reach.float() @ reach.float()) > 0
@@ -129,12 +128,13 @@ def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
 
 def keep_path(caches: list[tuple[torch.Tensor, torch.Tensor]], tree: TreeAttention, path: torch.Tensor) -> None:
     """Moves the K/V of tree rows ``path [B, N+1]`` (-1 = none) to slots ``start + 0, 1, ...`` in
-    every layer's cache (all sources are read before any write)."""
+    every layer's cache (all sources are read before any write). Static shapes: every row is
+    copied, the rows off the path onto themselves (inactive requests: slot 0, never a tree's)."""
     batch, tokens = path.shape
     slots = tree.slots.view(batch, tokens)
-    keep = (path >= 0) & (slots >= 0)
-    source = slots.gather(1, path.clamp(min=0))[keep]
-    target = slots[keep]
+    target = slots.clamp(min=0)
+    source = torch.where((path >= 0) & (slots >= 0), slots.gather(1, path.clamp(min=0)), target)
+    source, target = source.reshape(-1), target.reshape(-1)
     for k_cache, v_cache in caches:
         k_cache.index_copy_(0, target, k_cache.index_select(0, source))
         v_cache.index_copy_(0, target, v_cache.index_select(0, source))
