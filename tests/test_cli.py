@@ -65,6 +65,16 @@ def test_bench_compares_chain_and_tree(capsys, tmp_path):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_repeat_keeps_one_row_per_configuration(capsys):
+    assert qspec_main(["bench", "--demo", "1", "-k", "1", "2", "--max-new-tokens", "6", "--json", "--repeat", "2"]) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out[: out.rindex("}") + 1])
+    assert result["repeat"] == 2 and [r["k"] for r in result["runs"]] == [1, 2]
+    assert all(r["identical_to_plain"] and r["tokens_per_second"] > 0 for r in result["runs"])
+    assert qspec_main(["bench", "--demo", "1", "-k", "1", "--repeat", "0"]) == 2
+    assert "qspec bench: --repeat must be >= 1, got 0" in capsys.readouterr().err
+
+
 def test_target_without_draft_is_refused(capsys):
     assert qspec_main(["generate", "--target", str(DEMO_DIR / "target"), "--prompt", "x"]) == 2
     assert "--target and --draft go together" in capsys.readouterr().err
