@@ -221,7 +221,7 @@ for bench in benchmarks/bench_*.py; do
 done
 # bf16: a mismatch with plain decoding is reported, not a failure (the verify forward rounds differently).
 # Eager vs compiled (CUDA graphs) decoding, and the drafter step / verify forward split.
-run_step decode 180 "$py" benchmarks/bench_decode.py --device cuda --dtype bf16 --modes eager compiled \
+run_step decode 180 "$py" benchmarks/bench_decode.py --device cuda --dtype bf16 --modes eager compiled --repeat 1 \
   --json "$out/decode.json"
 sed -n '1,/^## /p' "$out/report.md" | sed '$d'
 exit $status
