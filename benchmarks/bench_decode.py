@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import device_name
+from common import device_name, timed
 
 import qspec_ext
 from qspec_ext import Eagle3Drafter, Qwen3Target, SpeculativeDecoder, generate_plain
@@ -41,21 +41,6 @@ def load_pair(target_dir: str, draft_dir: str, device: str, dtype: torch.dtype, 
     drafter = Eagle3Drafter.from_pretrained(draft_dir, dtype=dtype, device=device, target=target,
                                             use_custom_ops=use_custom_ops)
     return target, drafter
-
-
-def timed(device: str, generate, repeat: int = 1):
-    """generate()'s result and its best tokens/s over ``repeat`` runs, each timed up to the end of
-    its device work (the decode loops stop their clocks before the work queued after their last
-    sync). The best run is the one least disturbed by other work on a shared machine."""
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    rates = []
-    for _ in range(repeat):
-        sync()
-        start = time.perf_counter()
-        result = generate()
-        sync()
-        rates.append(result.stats.num_generated_tokens / (time.perf_counter() - start))
-    return result, max(rates)
 
 
 def step_times(device: str, target, drafter, batch: int, k: int, repeats: int = 50,

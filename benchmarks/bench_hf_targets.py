@@ -18,11 +18,10 @@ Fails when a greedy speculative output differs from plain decoding.
 import argparse
 import json
 import sys
-import time
 
 import torch
 import transformers
-from common import device_name
+from common import device_name, timed
 
 from qspec_ext import Eagle3Config, Eagle3Drafter, HFTarget, SpeculativeDecoder, generate_plain
 
@@ -83,20 +82,6 @@ class OracleDrafter:
         newest = self.inner.state.next_position.tolist()
         rows = [(self.continuations[b] + [0] * 2 * k)[max(s + 1 - self.lengths[b], 0):][:k] for b, s in enumerate(newest)]
         return torch.tensor(rows, device=self.fc.weight.device), None
-
-
-def timed(device: str, generate, repeat: int):
-    """generate()'s result and its best tokens/s over repeat runs (the best run is the one least
-    disturbed by other work on a shared machine)."""
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    rates = []
-    for _ in range(repeat):
-        sync()
-        start = time.perf_counter()
-        result = generate()
-        sync()
-        rates.append(result.stats.num_generated_tokens / (time.perf_counter() - start))
-    return result, max(rates)
 
 
 def main() -> int:
