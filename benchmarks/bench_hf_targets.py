@@ -78,7 +78,7 @@ class OracleDrafter:
     def prefill(self, *args, **kwargs):
         self.inner.prefill(*args, **kwargs)
 
-    def draft(self, k):
+    def draft(self, k, parallel=None):
         newest = self.inner.state.next_position.tolist()
         rows = [(self.continuations[b] + [0] * 2 * k)[max(s + 1 - self.lengths[b], 0):][:k] for b, s in enumerate(newest)]
         return torch.tensor(rows, device=self.fc.weight.device), None
