@@ -139,6 +139,8 @@ def test_bad_loader_arguments(tmp_path):
         (dict(lr=0.0), ValueError, "train_drafter: lr must be a finite number > 0, got 0.0"),
         (dict(arch="mamba"), ValueError, "train_drafter: arch must be 'qwen3' or 'llama', got 'mamba'"),
         (dict(seq_len=1), ValueError, "train_drafter: seq_len must be >= 2, got 1"),
+        (dict(aux_layer_ids=[]), ValueError, "train_drafter: aux_layer_ids must be a non-empty list of layer ids, got []"),
+        (dict(aux_layer_ids=[2, -1]), ValueError, "train_drafter: aux_layer_ids must be >= 0, got -1"),
     ],
 )
 def test_bad_train_config(tmp_path, change, kind, message):

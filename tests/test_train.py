@@ -76,6 +76,49 @@ def test_train_drafter_lowers_the_loss_and_writes_a_loadable_checkpoint(tiny_tar
             assert torch.equal(loaded.state_dict()[key], value), key
 
 
+def test_train_drafter_reads_the_aux_layers_asked_for(tiny_target, tmp_path):
+    """aux_layer_ids picks the target layers the drafter reads (here the residual entering the
+    last layer): the checkpoint records them, and the trainer's first step over transformers'
+    hidden states equals the built-in target + drafter prefill over the features it captures."""
+    config = TrainConfig(steps=2, ttt_steps=1, draft_vocab=120, seq_len=48, batch_size=2, seed=0, aux_layer_ids=[1, 7])
+    train_drafter(tiny_target / "target", [tiny_target / "code.py"], tmp_path / "draft", config, progress=False)
+    target = Qwen3Target.from_pretrained(tiny_target / "target", aux_layer_ids=[1, 7])
+    drafter = Eagle3Drafter.from_pretrained(tmp_path / "draft", target=target)
+    assert drafter.config.aux_layer_ids == [1, 7] and drafter.fc.weight.shape == (64, 2 * 64)
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(tiny_target / "target").eval()
+    ids = torch.randint(0, hf.config.vocab_size, (1, 10))
+    with torch.no_grad():
+        out = hf(ids, output_hidden_states=True)
+        features = torch.cat([out.hidden_states[i] for i in (1, 7)], -1)
+        cos_sin = rope_cos_sin_cache(32, drafter.config.head_dim, drafter.config.rope_theta)
+        trained_logits, _, _ = ttt_step(drafter, drafter.fc(features[:, :9]), ids[:, 1:], torch.arange(9), cos_sin,
+                                        [[] for _ in drafter.layers])
+        target.setup(1, 32)
+        target(ids, torch.arange(10)[None])
+        captured = target.capture.gather(torch.arange(9), "none", None, drafter.config.rms_norm_eps)
+    drafter.setup_caches(1, 32)
+    served = drafter.prefill(captured[None], ids[:, 1:], torch.arange(9)[None])
+    torch.testing.assert_close(served, trained_logits, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match=r"train_drafter: aux_layer_ids must be distinct layer ids in \[0, 8\) of the "
+                                         r"8-layer target, got \[2, 8\]"):
+        train_drafter(tiny_target / "target", [tiny_target / "code.py"], tmp_path / "bad",
+                      TrainConfig(steps=1, aux_layer_ids=[2, 8]), progress=False)
+
+
+def test_cli_train_drafter_writes_the_drafter_it_was_asked_for(tiny_target, tmp_path, capsys):
+    from qspec_ext.cli import main
+
+    out = tmp_path / "cli-draft"
+    assert main(["train-drafter", "--target", str(tiny_target / "target"), "--data", str(tiny_target / "code.py"),
+                 "--out", str(out), "--steps", "2", "--ttt-steps", "2", "--draft-vocab", "100", "--seq-len", "32",
+                 "--batch-size", "2", "--aux-layers", "3", "6", "--device", "cpu"]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    target = Qwen3Target.from_pretrained(tiny_target / "target", aux_layer_ids=[3, 6])
+    drafter = Eagle3Drafter.from_pretrained(out, target=target)
+    assert drafter.config.aux_layer_ids == [3, 6] and drafter.config.draft_vocab_size == 100
+    assert drafter.config.speculative_tokens == 2
+
+
 def test_ttt_step_one_is_the_drafters_forward(tiny_target, trained):
     """The training forward and the inference drafter compute the same first step, and the
     step's accuracy is the agreement of their argmaxes with the target's."""

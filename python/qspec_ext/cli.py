@@ -293,7 +293,7 @@ def cmd_train_drafter(args) -> int:
                          fc_norm=args.fc_norm, norm_output=args.norm_output, seq_len=args.seq_len,
                          batch_size=args.batch_size, lr=args.lr, seed=args.seed, parallel=args.parallel,
                          parallel_depth=args.depth, cod_ratio=args.cod_ratio, cod_floor=args.cod_floor,
-                         regenerate=args.regenerate)
+                         regenerate=args.regenerate, aux_layer_ids=args.aux_layers)
     _, history = train_drafter(args.target, args.data, args.out, config, device=args.device)
     first, last = history[0], history[-1]
     print(f"loss {first[0]:.3f} -> {last[0]:.3f}; accuracy per {'depth' if args.parallel else 'step'} "
@@ -338,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--batch-size", type=int, default=8)
     train.add_argument("--lr", type=float, default=2e-3)
     train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--aux-layers", type=int, nargs="+", default=None, metavar="ID",
+                       help="target layers whose input residual the drafter reads (default: EAGLE-3's 2, N/2, N-3)")
     train.add_argument("--parallel", action="store_true", help="train a P-EAGLE (parallel drafting) drafter")
     train.add_argument("--depth", type=int, default=8, help="P-EAGLE: mask-slot depths trained (k drafts need k)")
     train.add_argument("--cod-ratio", type=float, default=0.7, help="P-EAGLE: COD sampling decay per depth")

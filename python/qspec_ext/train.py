@@ -39,6 +39,7 @@ class TrainConfig:
     lr: float = 2e-3
     seed: int = 0
     intermediate_size: int | None = None  # default: the target's
+    aux_layer_ids: list[int] | None = None  # default: EAGLE-3's (2, N // 2, N - 3)
     # P-EAGLE (parallel drafting): COD sampling of (anchor, depth) nodes, speculators' defaults
     parallel: bool = False
     parallel_depth: int = 8
@@ -55,6 +56,11 @@ def check_train_config(c: TrainConfig) -> None:
         check_int(where, name, getattr(c, name), low)
     if c.intermediate_size is not None:
         check_int(where, "intermediate_size", c.intermediate_size, 1)
+    if c.aux_layer_ids is not None:
+        if not isinstance(c.aux_layer_ids, (list, tuple)) or not c.aux_layer_ids:
+            raise ValueError(f"{where}: aux_layer_ids must be a non-empty list of layer ids, got {c.aux_layer_ids!r}")
+        for i in c.aux_layer_ids:
+            check_int(where, "aux_layer_ids", i, 0)
     check_float(where, "lr", c.lr, 0.0, low_open=True)
     check_int(where, "parallel_depth", c.parallel_depth, 1)
     check_float(where, "cod_ratio", c.cod_ratio, 0.0, 1.0, low_open=True)
@@ -304,7 +310,12 @@ def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: 
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(device).eval()
     tokenizer = Tokenizer.from_file(str(Path(target_dir) / "tokenizer.json"))
     tc = target.config
-    aux_ids = default_aux_layer_ids(tc.num_hidden_layers)
+    aux_ids = list(config.aux_layer_ids or default_aux_layer_ids(tc.num_hidden_layers))
+    # Id N (the last layer's output before the final norm) is not among transformers' hidden
+    # states (its hidden_states[N] is after the norm), so training takes ids below N.
+    if max(aux_ids) >= tc.num_hidden_layers or len(set(aux_ids)) != len(aux_ids):
+        raise ValueError(f"train_drafter: aux_layer_ids must be distinct layer ids in [0, {tc.num_hidden_layers}) "
+                         f"of the {tc.num_hidden_layers}-layer target, got {aux_ids}")
     stream = token_stream(tokenizer, [Path(f) for f in data_files])
     if len(stream) <= config.seq_len:
         raise ValueError(f"train_drafter: the data holds {len(stream)} tokens, fewer than seq_len + 1 = {config.seq_len + 1}")
