@@ -63,6 +63,17 @@ def test_compiled_parallel_and_tree_decoding_equal_eager(pair):
     assert compiled.stats.num_accepted_tokens == eager.stats.num_accepted_tokens
 
 
+@pytest.mark.parametrize("topk,parallel", [(1, False), (1, True), (2, False)])
+def test_drafting_strategies_keep_no_tensor_between_steps(pair, topk, parallel):
+    """A compiled step's inputs are the previous step's outputs, passed explicitly; a tensor a
+    strategy kept from one step to the next would be a CUDA graph output that a later replay
+    may overwrite (and on CPU a second graph, compiled at the second step)."""
+    target, chain, drafter = pair
+    decoder = SpeculativeDecoder(target, drafter if parallel else chain, 3, topk=topk)
+    decoder.generate(PROMPTS[:2], 8)
+    assert not [name for name, value in vars(decoder.drafting).items() if isinstance(value, torch.Tensor)]
+
+
 def test_compiled_plain_decoding_equals_eager(pair):
     target, _, _ = pair
     compiled = generate_plain(target, PROMPTS, 20, compile=True)

@@ -117,7 +117,7 @@ def test_tree_forward_of_the_target_equals_running_each_path(target_dir):
     torch.testing.assert_close(after, expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("depth,topk,nodes", [(1, 2, 2), (3, 2, 6), (4, 3, None), (5, 4, 24), (2, 8, 40)])
+@pytest.mark.parametrize("depth,topk,nodes", [(1, 2, 2), (3, 2, 6), (4, 3, None), (5, 4, 24), (2, 8, 40), (4, 2, 2)])
 @pytest.mark.parametrize("batch", [1, 4])
 def test_greedy_tree_decoding_is_lossless(target_dir, depth, topk, nodes, batch):
     target = Qwen3Target.from_pretrained(target_dir, aux_layer_ids=AUX)

@@ -30,16 +30,15 @@ class ChainDrafting:
         self.max_depth = k  # most drafts one step can accept
         self.num_draft_tokens = k
         self.cache_margin = 2 * k  # k accepted past the last new token, then k - 1 drafted beyond
-        self.depths = None
 
     def draft(self) -> torch.Tensor:
         return self.drafter.draft(self.k, parallel=False)[0]
 
     def propose(self, root: torch.Tensor) -> Proposal:
         """root [B]: the position of each request's last verified token (-1: inactive)."""
-        if self.depths is None or self.depths.device != root.device:
-            self.depths = torch.arange(self.k + 1, device=root.device)[None]
-        return Proposal(self.draft(), self.depths)
+        # Made afresh each step: a tensor kept from one compiled step to the next would be a
+        # CUDA graph's output that a later replay may overwrite.
+        return Proposal(self.draft(), torch.arange(self.k + 1, device=root.device)[None])
 
     def verify(self, proposal: Proposal, logits: torch.Tensor, seeds: torch.Tensor | None,
                offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -51,7 +50,7 @@ class ChainDrafting:
         else:
             ones = torch.ones(drafts.shape[0], device=drafts.device)
             out, accepted = verify_sampling(drafts, None, logits, ones, seeds, offset)
-        rows = self.depths.expand_as(out)
+        rows = proposal.depths.expand_as(out)
         return out, accepted, torch.where(rows <= accepted[:, None], rows, -1)
 
     def keep(self, proposal: Proposal, path: torch.Tensor) -> None:

@@ -28,7 +28,7 @@ class TreeDrafting:
                              f"tree of depth {depth} and topk {topk} (topk + (depth - 1) * topk^2)")
         self.target, self.drafter = target, drafter
         self.depth, self.topk, self.num_draft_tokens = depth, topk, num_draft_tokens
-        self.max_depth = depth
+        self.max_depth = min(depth, num_draft_tokens)  # most drafts one step can accept
         # The target's tree takes N + 1 slots from the last verified token; the drafter's beam
         # (depth - 1) * topk; a request may end depth tokens past its last new token.
         self.cache_margin = depth + max(num_draft_tokens + 1, (depth - 1) * topk + 1)
