@@ -8,10 +8,10 @@
    scratch on 512-token windows, its held-out cross-entropy measured every 250 steps;
 4. two Qwen3-architecture EAGLE-3 drafters for it (draft vocab 384), trained with
    `qspec_ext.train.train_drafter` on the target's own greedy continuations of corpus windows
-   (`regenerate`): `draft` a chain drafter with 7 TTT steps, `draft-parallel` a P-EAGLE
-   drafter (parallel drafting, COD depth 8);
+   (`regenerate`): `draft` a chain drafter with 7 TTT steps (MLP 1024 wide, 2000 steps),
+   `draft-parallel` a P-EAGLE drafter (parallel drafting, COD depth 8, 1200 steps);
 weights saved in bf16, and the loss curves in loss_curves.json / loss_curves.png.
-On the 2-core CPU of the dev machine this takes about 100 minutes (see the README).
+On the 2-core CPU of the dev machine this takes about 2.5 hours (see the README).
 """
 
 import argparse
