@@ -142,7 +142,7 @@ def main():
     # Both drafters learn from the target's own greedy continuations (regenerate): the text they will draft.
     common = dict(draft_vocab=384, arch="qwen3", seq_len=256, batch_size=8, lr=2e-3, seed=0, regenerate=True)
     # The chain drafter: a wider MLP (1024, the target's is 384) and a longer schedule bought
-    # acceptance at every draft position for ~13% more time per draft step.
+    # acceptance at every draft position (13% more time per training step).
     drafters = {"draft": TrainConfig(ttt_steps=7, steps=args.drafter_steps or 2000, intermediate_size=1024, **common),
                 "draft-parallel": TrainConfig(parallel=True, parallel_depth=8, steps=args.drafter_steps or 1200, **common)}
     for name, config in drafters.items():
