@@ -291,7 +291,7 @@ def test_shipped_pair_accepts_drafts():
     tokenizer = Tokenizer.from_file(str(DEMO_DIR / "target" / "tokenizer.json"))
     prompts = [tokenizer.encode(t).ids for t in demo_prompts(2)]
     result = SpeculativeDecoder(target, drafter, 3).generate(prompts, 32)
-    assert result.stats.mean_acceptance_length >= 2.8, result.stats.mean_acceptance_length  # measured 3.37
+    assert result.stats.mean_acceptance_length >= 2.8, result.stats.mean_acceptance_length  # measured 3.20
 
 
 def test_shipped_target_models_held_out_code():
