@@ -59,7 +59,7 @@ class Mutant:
 
 MUTANTS = [
     Mutant("position_not_advanced_by_accepted", DECODE,
-           "position = position + accepted + 1", "position = position + 1", (LOSSLESS,)),
+           "position + accepted + 1", "position + 1", (LOSSLESS,)),
     Mutant("eos_only_at_end_of_run", DECODE,
            "        if token == eos_token_id or len(generated) >= max_new_tokens:\n            return True\n    return False",
            "        if len(generated) >= max_new_tokens:\n            return True\n    return new[-1] == eos_token_id",
@@ -81,7 +81,7 @@ MUTANTS = [
            "pair_tokens = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)", "pair_tokens = tokens.clone()",
            (DEC + "test_first_prefill_pairs_each_prompt_token_with_the_next",)),
     Mutant("step_pairs_misaligned", DECODE,
-           "drafter.prefill(fc_input.view(batch, width, -1), out.clamp(min=0),",
+           "drafter.prefill(fc_input.view(batch, width, -1), out[:, :width].clamp(min=0),",
            "drafter.prefill(fc_input.view(batch, width, -1), tokens[:, :width],",
            (SHIPPED,)),
     Mutant("gather_rows_drop_last_accepted", CHAIN,
@@ -89,6 +89,9 @@ MUTANTS = [
            (LOSSLESS,)),
     Mutant("tree_path_kv_not_kept", TREE,
            "target.keep_path(proposal.tree, path)", "pass", (TREE_LOSSLESS,)),
+    Mutant("tree_accepts_up_to_depth_past_its_nodes", TREE,
+           "self.max_depth = min(depth, num_draft_tokens)", "self.max_depth = depth",
+           (TREES + "test_greedy_tree_decoding_is_lossless[1-4-2-2]",)),
     Mutant("tree_positions_one_too_deep", TREE,
            "depths = ancestors.sum(-1) - 1", "depths = ancestors.sum(-1)", (TREE_LOSSLESS,)),
     Mutant("tree_attention_sees_every_node", LAYERS,
@@ -136,7 +139,7 @@ MUTANTS = [
            "return draft_ids if self.d2t is None else draft_ids + self.d2t[draft_ids]", "return draft_ids",
            (INDEPENDENT,)),
     Mutant("draft_starts_on_last_prefilled_position", EAGLE3,
-           "positions[rows, last] + 1, top + 1)", "positions[rows, last], top + 1)",
+           "positions[rows, last] + 1)", "positions[rows, last])",
            (INDEPENDENT, DRAFTER + "test_rollback_is_moving_positions")),
     Mutant("hf_target_stale_columns_not_masked", HF,  # the batched path's rollback
            "self.valid &= self.col_pos < torch.tensor(first, device=self.device)[:, None]", "pass",
