@@ -141,6 +141,7 @@ def test_bad_loader_arguments(tmp_path):
         (dict(seq_len=1), ValueError, "train_drafter: seq_len must be >= 2, got 1"),
         (dict(aux_layer_ids=[]), ValueError, "train_drafter: aux_layer_ids must be a non-empty list of layer ids, got []"),
         (dict(aux_layer_ids=[2, -1]), ValueError, "train_drafter: aux_layer_ids must be >= 0, got -1"),
+        (dict(bf16="yes"), TypeError, "train_drafter: bf16 must be a bool, got str 'yes'"),
     ],
 )
 def test_bad_train_config(tmp_path, change, kind, message):

@@ -119,6 +119,26 @@ def test_cli_train_drafter_writes_the_drafter_it_was_asked_for(tiny_target, tmp_
     assert drafter.config.speculative_tokens == 2
 
 
+def test_cli_train_drafter_passes_its_flags_to_the_trainer(tmp_path, monkeypatch, capsys):
+    import qspec_ext.train
+    from qspec_ext.cli import main
+
+    seen = {}
+
+    def fake_train_drafter(target, data, out, config, device):
+        seen.update(config=config, device=device)
+        return None, [(2.0, [0.1, 0.1]), (1.0, [0.5, 0.4])]
+
+    monkeypatch.setattr(qspec_ext.train, "train_drafter", fake_train_drafter)
+    base = ["train-drafter", "--target", "t", "--data", "d.txt", "--out", str(tmp_path), "--device", "cpu"]
+    assert main(base) == 0
+    assert not seen["config"].bf16 and not seen["config"].compile
+    assert main(base + ["--bf16", "--compile", "--regenerate", "--steps", "7"]) == 0
+    config = seen["config"]
+    assert config.bf16 and config.compile and config.regenerate and config.steps == 7
+    assert "loss 2.000 -> 1.000; accuracy per step 0.50 0.40" in capsys.readouterr().out
+
+
 def test_ttt_step_one_is_the_drafters_forward(tiny_target, trained):
     """The training forward and the inference drafter compute the same first step, and the
     step's accuracy is the agreement of their argmaxes with the target's."""
@@ -138,7 +158,7 @@ def test_ttt_step_one_is_the_drafters_forward(tiny_target, trained):
     torch.testing.assert_close(prefill, logits, atol=1e-4, rtol=1e-4)
     draft_ids = loaded.t2d.nonzero().flatten()
     agree = prefill.argmax(-1) == out.logits[:, 1:, draft_ids].argmax(-1)  # pair t predicts row t+1
-    assert accuracies[0] == pytest.approx(float(agree.float().mean()))
+    assert float(accuracies[0]) == pytest.approx(float(agree.float().mean()))
     # Step 1's loss is the KL of the target's next-token rows (restricted to the draft vocabulary)
     # against the prefill's draft logits, computed here from scratch.
     with torch.no_grad():
@@ -276,6 +296,43 @@ def test_training_on_regenerated_data_lowers_the_loss(tiny_target, tmp_path):
     _, history = train_drafter(tiny_target / "target", [tiny_target / "code.py"], tmp_path / "draft", config,
                                progress=False)
     assert_loss_falls(history)
+
+
+def test_compiled_ttt_loss_equals_the_eager_one(tiny_target, trained):
+    """TrainConfig.compile runs ttt_loss as one graph: same loss, accuracies and gradients
+    (the drafter: the one the `trained` fixture wrote)."""
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(tiny_target / "target").eval()
+    drafter = Eagle3Drafter.from_pretrained(tiny_target / "draft", target=Qwen3Target.from_pretrained(tiny_target / "target"))
+    drafter.embed_tokens.weight.requires_grad_(False)
+    ids = torch.randint(0, hf.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out = hf(ids, output_hidden_states=True)
+    features = torch.cat([out.hidden_states[i] for i in (2, 4, 5)], -1)
+    cos_sin = rope_cos_sin_cache(32, drafter.config.head_dim, drafter.config.rope_theta)
+    results = []
+    for loss_fn in (ttt_loss, torch.compile(ttt_loss, fullgraph=True)):
+        drafter.zero_grad(set_to_none=True)
+        loss, accuracies = loss_fn(drafter, ids, features, out.logits, 3, cos_sin)
+        loss.backward()
+        results.append((loss.detach(), accuracies, {n: p.grad for n, p in drafter.named_parameters() if p.requires_grad}))
+    (eager_loss, eager_acc, eager_grads), (loss, acc, grads) = results
+    torch.testing.assert_close(loss, eager_loss, atol=1e-4, rtol=1e-4)
+    assert torch.equal(acc, eager_acc)
+    for name, grad in eager_grads.items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-4, rtol=1e-3, msg=name)
+
+
+def test_bf16_training_lowers_the_loss_and_keeps_fp32_weights(tiny_target, tmp_path, trained):
+    """The `trained` fixture's run (same config, same data) in bf16 autocast: other rounding,
+    about the same losses."""
+    config = TrainConfig(steps=30, ttt_steps=3, draft_vocab=120, seq_len=48, batch_size=4, lr=3e-3, seed=0, bf16=True)
+    drafter, history = train_drafter(tiny_target / "target", [tiny_target / "code.py"], tmp_path / "draft", config,
+                                     progress=False)
+    assert_loss_falls(history)
+    assert all(p.dtype == torch.float32 for p in drafter.parameters()), "autocast: fp32 master weights"
+    fp32 = [h[0] for h in trained[1]]
+    assert [h[0] for h in history] != fp32, "bf16 autocast changes the arithmetic"
+    assert history[-1][0] == pytest.approx(fp32[-1], rel=0.2)
 
 
 def test_shipped_pair_accepts_drafts():

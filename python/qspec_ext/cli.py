@@ -293,7 +293,8 @@ def cmd_train_drafter(args) -> int:
                          fc_norm=args.fc_norm, norm_output=args.norm_output, seq_len=args.seq_len,
                          batch_size=args.batch_size, lr=args.lr, seed=args.seed, parallel=args.parallel,
                          parallel_depth=args.depth, cod_ratio=args.cod_ratio, cod_floor=args.cod_floor,
-                         regenerate=args.regenerate, aux_layer_ids=args.aux_layers)
+                         regenerate=args.regenerate, aux_layer_ids=args.aux_layers, bf16=args.bf16,
+                         compile=args.compile)
     _, history = train_drafter(args.target, args.data, args.out, config, device=args.device)
     first, last = history[0], history[-1]
     print(f"loss {first[0]:.3f} -> {last[0]:.3f}; accuracy per {'depth' if args.parallel else 'step'} "
@@ -346,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--cod-floor", type=float, default=0.2, help="P-EAGLE: COD sampling floor")
     train.add_argument("--regenerate", action="store_true",
                        help="train on the target's own greedy continuations of the data (self-distillation)")
+    train.add_argument("--bf16", action="store_true",
+                       help="the drafter's forward and backward in bf16 autocast (fp32 weights and optimizer)")
+    train.add_argument("--compile", action="store_true", help="the chain drafter's TTT loss as one compiled graph")
     train.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     train.set_defaults(run=cmd_train_drafter)
     args = parser.parse_args(argv)

@@ -14,6 +14,7 @@ import math
 import random
 from collections import Counter
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -46,6 +47,10 @@ class TrainConfig:
     cod_ratio: float = 0.7
     cod_floor: float = 0.2
     regenerate: bool = False  # train on the target's greedy continuations of corpus prompts
+    bf16: bool = False  # the drafter's forward and backward under bf16 autocast (fp32 weights, optimizer, loss)
+    # The chain's TTT loss (forward and backward) as one compiled graph; P-EAGLE's sampled node
+    # count changes every step, and compiling it with dynamic shapes gained only ~15%: eager.
+    compile: bool = False
 
 
 def check_train_config(c: TrainConfig) -> None:
@@ -61,6 +66,9 @@ def check_train_config(c: TrainConfig) -> None:
             raise ValueError(f"{where}: aux_layer_ids must be a non-empty list of layer ids, got {c.aux_layer_ids!r}")
         for i in c.aux_layer_ids:
             check_int(where, "aux_layer_ids", i, 0)
+    for name in ("fc_norm", "norm_output", "parallel", "regenerate", "bf16", "compile"):
+        if not isinstance(getattr(c, name), bool):
+            raise TypeError(f"{where}: {name} must be a bool, got {type(getattr(c, name)).__name__} {getattr(c, name)!r}")
     check_float(where, "lr", c.lr, 0.0, low_open=True)
     check_int(where, "parallel_depth", c.parallel_depth, 1)
     check_float(where, "cod_ratio", c.cod_ratio, 0.0, 1.0, low_open=True)
@@ -230,7 +238,8 @@ def _kl_and_accuracy(model: Eagle3Drafter, logits, target_logits):
 
 def ttt_loss(model: Eagle3Drafter, target_ids, features, target_logits, ttt_steps, cos_sin):
     """features [B, T, n*H] and target_logits [B, T, V] at positions 0..T-1 of target_ids [B, T].
-    Returns the summed loss and the top-1 accuracy of each step."""
+    Returns the summed loss and the top-1 accuracy of each step ``[ttt_steps]`` (no host
+    synchronization: it compiles as one graph)."""
     B, T = target_ids.shape
     L = T - 1  # pair t = (feature t, token t+1) at position t predicts the target's row t+1
     x = model.fc(fc_input(model, features[:, :L]))
@@ -239,15 +248,15 @@ def ttt_loss(model: Eagle3Drafter, target_ids, features, target_logits, ttt_step
     for step in range(ttt_steps):
         index = torch.arange(L, device=features.device)
         source = (index + step + 1).clamp(max=T - 1)  # the token each pair carries
-        valid = index + step + 1 <= T - 1
+        count = L - step  # the pairs whose token t + step + 1 exists: indices 0 .. L - step - 1
         logits, x_next, kv = ttt_step(model, x, target_ids[:, source], index + step, cos_sin, past)
         for layer_past, layer_kv in zip(past, kv):
             layer_past.append(layer_kv)
-        kl, hit = _kl_and_accuracy(model, logits, target_logits[:, source])
-        total = total + kl[:, valid].mean()
-        accuracies.append(float(hit[:, valid].float().mean()))
+        kl, hit = _kl_and_accuracy(model, logits[:, :count], target_logits[:, source[:count]])
+        total = total + kl.mean()
+        accuracies.append(hit.float().mean())
         x = x_next
-    return total, accuracies
+    return total, torch.stack(accuracies)
 
 
 def cod_nodes(length: int, depth: int, ratio: float, floor: float, generator: torch.Generator):
@@ -292,8 +301,8 @@ def parallel_loss(model: Eagle3Drafter, target_ids, features, target_logits, con
         at = depth == d
         if bool(at.any()):
             total = total + kl[:, at].mean()
-            accuracies.append(float(hit[:, at].float().mean()))
-    return total, accuracies
+            accuracies.append(hit[:, at].float().mean())
+    return total, torch.stack(accuracies)
 
 
 def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: str = "cpu", progress: bool = True):
@@ -361,6 +370,12 @@ def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: 
     if config.regenerate:
         data = regenerated_batches(target, (b.to(device) for b in data), config.batch_size)
     nodes = torch.Generator().manual_seed(config.seed)
+    if config.parallel:
+        loss_fn = partial(parallel_loss, config=config, cos_sin=cos_sin, generator=nodes)
+    else:
+        loss_fn = partial(ttt_loss, ttt_steps=config.ttt_steps, cos_sin=cos_sin)
+        if config.compile:
+            loss_fn = torch.compile(loss_fn)
     history = []
     bar = tqdm(range(config.steps), desc="train-drafter", disable=not progress)
     for _ in bar:
@@ -368,19 +383,17 @@ def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: 
         with torch.no_grad():
             out = target(ids, output_hidden_states=True)
         features = torch.cat([out.hidden_states[i] for i in aux_ids], dim=-1)
-        if config.parallel:
-            if not history:  # start the mask slots' input at the mean feature
-                with torch.no_grad():
-                    drafter.mask_hidden.copy_(features.mean(dim=(0, 1), keepdim=True))
-            loss, accuracies = parallel_loss(drafter, ids, features, out.logits, config, cos_sin, nodes)
-        else:
-            loss, accuracies = ttt_loss(drafter, ids, features, out.logits, config.ttt_steps, cos_sin)
+        if config.parallel and not history:  # start the mask slots' input at the mean feature
+            with torch.no_grad():
+                drafter.mask_hidden.copy_(features.mean(dim=(0, 1), keepdim=True))
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=config.bf16):
+            loss, accuracies = loss_fn(drafter, ids, features, out.logits)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         schedule.step()
-        history.append((float(loss.detach()), accuracies))
-        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", acc=" ".join(f"{a:.2f}" for a in accuracies))
+        history.append((float(loss.detach()), accuracies.tolist()))
+        bar.set_postfix(loss=f"{history[-1][0]:.3f}", acc=" ".join(f"{a:.2f}" for a in history[-1][1]))
     drafter.save_pretrained(out_dir)
     return drafter, history
