@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from . import reference
-from .arguments import check_float, check_int
+from .arguments import _describe, check_float, check_int
 from .aux import default_aux_layer_ids
 from .models import Eagle3Config, Eagle3Drafter
 from .rope import rope_cos_sin_cache
@@ -68,7 +68,7 @@ def check_train_config(c: TrainConfig) -> None:
             check_int(where, "aux_layer_ids", i, 0)
     for name in ("fc_norm", "norm_output", "parallel", "regenerate", "bf16", "compile"):
         if not isinstance(getattr(c, name), bool):
-            raise TypeError(f"{where}: {name} must be a bool, got {type(getattr(c, name)).__name__} {getattr(c, name)!r}")
+            raise TypeError(f"{where}: {name} must be a bool, got {_describe(getattr(c, name))}")
     check_float(where, "lr", c.lr, 0.0, low_open=True)
     check_int(where, "parallel_depth", c.parallel_depth, 1)
     check_float(where, "cod_ratio", c.cod_ratio, 0.0, 1.0, low_open=True)
