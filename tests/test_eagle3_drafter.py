@@ -427,3 +427,32 @@ def test_config_rejects_exclusive_flags():
         make_config("qwen3", fc_norm=True, norm_before_fc=True)
     with pytest.raises(ValueError, match="arch must be 'qwen3' or 'llama'"):
         make_config("gemma")
+
+
+def test_fused_projections_keep_the_checkpoints_names():
+    """q/k/v and gate/up each run as one matmul; state_dict() and load_state_dict() use the
+    checkpoints' separate names, and the fused forward equals the separate projections."""
+    from qspec_ext.models.layers import MLP, Attention
+
+    torch.manual_seed(0)
+    attn, mlp = Attention(H, 2 * H, HEADS, KV_HEADS, HEAD_DIM, qk_norm=True), MLP(H, FFN)
+    sd = {**{"attn." + k: v for k, v in attn.state_dict().items()}, **{"mlp." + k: v for k, v in mlp.state_dict().items()}}
+    assert {k: tuple(v.shape) for k, v in sd.items() if k.endswith("proj.weight")} == {
+        "attn.q_proj.weight": (HEADS * HEAD_DIM, 2 * H), "attn.k_proj.weight": (KV_HEADS * HEAD_DIM, 2 * H),
+        "attn.v_proj.weight": (KV_HEADS * HEAD_DIM, 2 * H), "attn.o_proj.weight": (H, HEADS * HEAD_DIM),
+        "mlp.gate_proj.weight": (FFN, H), "mlp.up_proj.weight": (FFN, H), "mlp.down_proj.weight": (H, FFN)}
+    x, y = torch.randn(5, 2 * H), torch.randn(5, H)
+    with torch.no_grad():
+        qkv = torch.cat([x @ sd[f"attn.{n}_proj.weight"].T for n in "qkv"], dim=-1)
+        torch.testing.assert_close(attn.qkv(x), qkv)
+        gate, up, down = (sd[f"mlp.{n}_proj.weight"] for n in ("gate", "up", "down"))
+        torch.testing.assert_close(mlp(y), (F.silu(y @ gate.T) * (y @ up.T)) @ down.T)
+        # Loading the separate names into fresh modules rebuilds the same fused weights.
+        other_attn, other_mlp = Attention(H, 2 * H, HEADS, KV_HEADS, HEAD_DIM, qk_norm=True), MLP(H, FFN)
+        other_attn.load_state_dict({k[5:]: v.clone() for k, v in sd.items() if k.startswith("attn.")}, strict=True)
+        other_mlp.load_state_dict({k[4:]: v.clone() for k, v in sd.items() if k.startswith("mlp.")}, strict=True)
+        torch.testing.assert_close(other_attn.qkv(x), qkv, rtol=0, atol=0)
+        torch.testing.assert_close(other_mlp(y), mlp(y), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="qkv_proj.weight"):
+        Attention(H, 2 * H, HEADS, KV_HEADS, HEAD_DIM, qk_norm=True).load_state_dict(
+            {k[5:]: v for k, v in sd.items() if k.startswith("attn.") and "k_proj" not in k}, strict=True)

@@ -143,9 +143,8 @@ def _qkv(model: Eagle3Drafter, index: int, u, cos, sin):
     c, attn = model.config, model.layers[index].self_attn
     B, L, _ = u.shape
     D, group = c.head_dim, c.num_attention_heads // c.num_key_value_heads
-    q = attn.q_proj(u).view(B, L, c.num_attention_heads, D)
-    k = attn.k_proj(u).view(B, L, c.num_key_value_heads, D)
-    v = attn.v_proj(u).view(B, L, c.num_key_value_heads, D)
+    q, k, v = attn.qkv(u).split([c.num_attention_heads * D, c.num_key_value_heads * D, c.num_key_value_heads * D], -1)
+    q, k, v = q.view(B, L, -1, D), k.view(B, L, -1, D), v.view(B, L, -1, D)
     if c.arch == "qwen3":
         q, k = _rms(q, attn.q_norm.weight, c.rms_norm_eps), _rms(k, attn.k_norm.weight, c.rms_norm_eps)
     q, k = _rope(q, cos, sin), _rope(k, cos, sin)

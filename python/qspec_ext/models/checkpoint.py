@@ -89,7 +89,9 @@ def save_tensors(directory: str | Path, tensors: dict[str, torch.Tensor], config
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(directory / "model.safetensors"))
+    # Copies: the parts of a fused projection are views of one weight (safetensors refuses shared memory).
+    save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()},
+              str(directory / "model.safetensors"))
 
 
 def check_tensors(directory: Path, tensors: dict, origin: dict, expected: dict, optional: tuple[str, ...] = ()) -> None:

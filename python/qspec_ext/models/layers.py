@@ -14,13 +14,34 @@ class RMSNormWeight(nn.Module):
         self.weight = nn.Parameter(torch.ones(width))
 
 
+def named_parts_in_checkpoints(module: nn.Module, fused: str, parts: dict[str, int]) -> None:
+    """``module.<fused>`` is one Linear whose output rows are several projections of the same
+    input (q/k/v, gate/up: one matmul instead of several). Checkpoints name the parts
+    separately, ``<part>.weight``: ``state_dict()`` splits the weight into them (row slices,
+    views) and ``load_state_dict()`` joins them."""
+    names, widths = list(parts), list(parts.values())
+
+    def split(module, state_dict, prefix, local_metadata):
+        weight = state_dict.pop(prefix + fused + ".weight")
+        for name, rows in zip(names, weight.split(widths)):
+            state_dict[prefix + name + ".weight"] = rows
+
+    def join(module, state_dict, prefix, *args):
+        keys = [prefix + name + ".weight" for name in names]
+        if all(key in state_dict for key in keys):  # else strict loading reports what is missing
+            state_dict[prefix + fused + ".weight"] = torch.cat([state_dict.pop(key) for key in keys])
+
+    module.register_state_dict_post_hook(split)
+    module.register_load_state_dict_pre_hook(join)
+
+
 class Attention(nn.Module):
     def __init__(self, hidden: int, input_width: int, heads: int, kv_heads: int, head_dim: int, qk_norm: bool):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.q_proj = nn.Linear(input_width, heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(input_width, kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(input_width, kv_heads * head_dim, bias=False)
+        parts = dict(q_proj=heads * head_dim, k_proj=kv_heads * head_dim, v_proj=kv_heads * head_dim)
+        self.qkv_proj = nn.Linear(input_width, sum(parts.values()), bias=False)
+        named_parts_in_checkpoints(self, "qkv_proj", parts)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
         if qk_norm:
             self.q_norm = RMSNormWeight(head_dim)
@@ -28,7 +49,7 @@ class Attention(nn.Module):
 
     def qkv(self, x: torch.Tensor) -> torch.Tensor:
         """The packed [T, (Hq + 2 Hkv) * D] projection qk_norm_rope_ works on."""
-        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        return self.qkv_proj(x)
 
     def qk_norm_weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return (self.q_norm.weight, self.k_norm.weight) if hasattr(self, "q_norm") else (None, None)
@@ -55,12 +76,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        named_parts_in_checkpoints(self, "gate_up_proj", dict(gate_proj=intermediate, up_proj=intermediate))
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 def cache_slots(positions: torch.Tensor, max_length: int) -> torch.Tensor:
