@@ -29,6 +29,12 @@ def check_int(where: str, name: str, value, low: int | None = None, high: int | 
     return int(value)
 
 
+def check_bool(where: str, name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{where}: {name} must be a bool, got {_describe(value)}")
+    return value
+
+
 def check_float(where: str, name: str, value, low: float, high: float = math.inf, low_open: bool = False) -> float:
     """A finite real in [low, high] ((low, high] with low_open)."""
     if not isinstance(value, numbers.Real) or isinstance(value, bool):

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from . import reference
-from .arguments import _describe, check_float, check_int
+from .arguments import check_bool, check_float, check_int
 from .aux import default_aux_layer_ids
 from .models import Eagle3Config, Eagle3Drafter
 from .rope import rope_cos_sin_cache
@@ -67,8 +67,7 @@ def check_train_config(c: TrainConfig) -> None:
         for i in c.aux_layer_ids:
             check_int(where, "aux_layer_ids", i, 0)
     for name in ("fc_norm", "norm_output", "parallel", "regenerate", "bf16", "compile"):
-        if not isinstance(getattr(c, name), bool):
-            raise TypeError(f"{where}: {name} must be a bool, got {_describe(getattr(c, name))}")
+        check_bool(where, name, getattr(c, name))
     check_float(where, "lr", c.lr, 0.0, low_open=True)
     check_int(where, "parallel_depth", c.parallel_depth, 1)
     check_float(where, "cod_ratio", c.cod_ratio, 0.0, 1.0, low_open=True)
@@ -143,8 +142,7 @@ def _qkv(model: Eagle3Drafter, index: int, u, cos, sin):
     c, attn = model.config, model.layers[index].self_attn
     B, L, _ = u.shape
     D, group = c.head_dim, c.num_attention_heads // c.num_key_value_heads
-    q, k, v = attn.qkv(u).split([c.num_attention_heads * D, c.num_key_value_heads * D, c.num_key_value_heads * D], -1)
-    q, k, v = q.view(B, L, -1, D), k.view(B, L, -1, D), v.view(B, L, -1, D)
+    q, k, v = attn.qkv(u).view(B, L, -1, D).split([c.num_attention_heads, c.num_key_value_heads, c.num_key_value_heads], 2)
     if c.arch == "qwen3":
         q, k = _rms(q, attn.q_norm.weight, c.rms_norm_eps), _rms(k, attn.k_norm.weight, c.rms_norm_eps)
     q, k = _rope(q, cos, sin), _rope(k, cos, sin)
