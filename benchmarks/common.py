@@ -176,15 +176,16 @@ def compiled(fn: Callable) -> Callable:
 
 
 def timed(device: str, generate, repeat: int = 1):
-    """generate()'s result and its best tokens/s over ``repeat`` runs, each timed up to the end of
-    its device work (the decode loops stop their clocks before the work queued after their last
-    sync). The best run is the one least disturbed by other work on a shared machine."""
+    """The best of ``repeat`` runs of generate(): its result and tokens/s, each run timed up to the
+    end of its device work (the decode loops stop their clocks before the work queued after their
+    last sync). The best run is the one least disturbed by other work on a shared machine."""
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    rates = []
+    runs = []
     for _ in range(repeat):
         sync()
         start = time.perf_counter()
         result = generate()
         sync()
-        rates.append(result.stats.num_generated_tokens / (time.perf_counter() - start))
-    return result, max(rates)
+        runs.append((result.stats.num_generated_tokens / (time.perf_counter() - start), result))
+    rate, result = max(runs, key=lambda run: run[0])
+    return result, rate

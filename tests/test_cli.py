@@ -71,6 +71,8 @@ def test_bench_repeat_keeps_one_row_per_configuration(capsys):
     result = json.loads(out[: out.rindex("}") + 1])
     assert result["repeat"] == 2 and [r["k"] for r in result["runs"]] == [1, 2]
     assert all(r["identical_to_plain"] and r["tokens_per_second"] > 0 for r in result["runs"])
+    plain_decode = result["plain_decode_tokens_per_second"]
+    assert all(r["decode_speedup"] == r["decode_tokens_per_second"] / plain_decode > 0 for r in result["runs"])
     assert qspec_main(["bench", "--demo", "1", "-k", "1", "--repeat", "0"]) == 2
     assert "qspec bench: --repeat must be >= 1, got 0" in capsys.readouterr().err
 

@@ -239,6 +239,39 @@ def test_stats_of_chunked_batches_add_up(hf_dir):
     s = whole.stats
     assert s.num_accepted_tokens == s.num_draft_tokens == k * s.num_drafts and s.num_drafts >= len(PROMPTS) * 5
     assert s.accepted_per_position == [s.num_drafts] * k and s.num_generated_tokens == 20 * len(PROMPTS)
+    assert s.num_requests == len(PROMPTS) and 0 < s.first_token_time < s.wall_time
+
+
+def test_first_token_time_is_the_target_prefill_only(hf_dir, monkeypatch):
+    """decode_tokens_per_second leaves out each request's first token and the time to it (the
+    target's prompt prefill, the same for plain and speculative decoding), and counts the
+    drafter's prompt prefill as decode time. A fake clock: 1 s per target forward, 10 s for the
+    drafter's first prefill, nothing else."""
+    import time
+
+    target = Qwen3Target.from_pretrained(hf_dir, aux_layer_ids=AUX)
+    drafter = make_drafter()
+    now = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+
+    def ticking(function, seconds):
+        def call(*args, **kwargs):
+            now[0] += seconds(call)
+            call.calls += 1
+            return function(*args, **kwargs)
+        call.calls = 0
+        return call
+
+    forward = ticking(target.forward, lambda call: 1.0)
+    monkeypatch.setattr(target, "forward", forward)
+    monkeypatch.setattr(drafter, "prefill", ticking(drafter.prefill, lambda call: 10.0 if call.calls == 0 else 0.0))
+    plain = generate_plain(target, PROMPTS, 12).stats
+    assert (plain.num_requests, plain.first_token_time, plain.wall_time) == (len(PROMPTS), 1.0, 12.0)
+    assert plain.decode_tokens_per_second == len(PROMPTS) * 11 / 11.0
+    now[0], forward.calls = 0.0, 0
+    spec = SpeculativeDecoder(target, drafter, 3).generate(PROMPTS, 12).stats
+    assert (spec.num_requests, spec.first_token_time, spec.wall_time) == (len(PROMPTS), 1.0, forward.calls + 10.0)
+    assert spec.decode_tokens_per_second == (len(PROMPTS) * 11) / (spec.wall_time - 1.0)
 
 
 def test_first_prefill_pairs_each_prompt_token_with_the_next(hf_dir):

@@ -132,7 +132,8 @@ def stats_table(stats) -> str:
     ]
     lines += [f"Acceptance at token {i}: {rate:.2f}" for i, rate in enumerate(stats.acceptance_rate_per_position)]
     lines.append(f"Generated {stats.num_generated_tokens} tokens in {stats.wall_time:.2f} s "
-                 f"({stats.tokens_per_second:.1f} tokens/s)")
+                 f"({stats.tokens_per_second:.1f} tokens/s; after the first tokens at {stats.first_token_time:.2f} s: "
+                 f"{stats.decode_tokens_per_second:.1f} tokens/s)")
     return "\n".join(lines)
 
 
@@ -230,21 +231,28 @@ def cmd_bench(args) -> int:
                          acceptance_per_position=s.acceptance_rate_per_position,
                          tokens_per_second=s.tokens_per_second,
                          speedup=s.tokens_per_second / plain.stats.tokens_per_second,
+                         decode_tokens_per_second=s.decode_tokens_per_second,
+                         decode_speedup=s.decode_tokens_per_second / plain.stats.decode_tokens_per_second,
                          compile_time=compile_time,
                          identical_to_plain=run.tokens == plain.tokens if args.temperature == 0.0 else None))
     if args.json:
-        print(json.dumps({"plain_tokens_per_second": plain.stats.tokens_per_second, "compile": args.compile,
+        print(json.dumps({"plain_tokens_per_second": plain.stats.tokens_per_second,
+                          "plain_decode_tokens_per_second": plain.stats.decode_tokens_per_second, "compile": args.compile,
                           "repeat": args.repeat, "runs": rows}, indent=1))
     else:
-        print(f"plain decoding: {plain.stats.tokens_per_second:.1f} tokens/s"
+        print(f"plain decoding: {plain.stats.tokens_per_second:.1f} tokens/s, decode phase "
+              f"{plain.stats.decode_tokens_per_second:.1f} tokens/s"
               + (f" (compiled steps; compile time {plain.stats.compile_time:.0f} s, untimed)" if args.compile else ""))
+        print("tokens/s: all generated tokens over the whole run; decode: the tokens after each request's first, "
+              "over the time after the prompt prefill")
         print(f"{'drafting':>8}  {'k':>3}  {'nodes':>5}  {'accept len':>10}  {'tokens/s':>9}  {'speed-up':>8}  "
-              f"{'same as plain':>13}  acceptance per position")
+              f"{'decode tok/s':>12}  {'speed-up':>8}  {'same as plain':>13}  acceptance per position")
         for r in rows:
             same = "-" if r["identical_to_plain"] is None else ("yes" if r["identical_to_plain"] else "NO")
             per = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
             print(f"{r['drafting']:>8}  {r['k']:>3}  {r['num_draft_tokens']:>5}  {r['mean_acceptance_length']:>10.2f}  "
-                  f"{r['tokens_per_second']:>9.1f}  {r['speedup']:>7.2f}x  {same:>13}  {per}")
+                  f"{r['tokens_per_second']:>9.1f}  {r['speedup']:>7.2f}x  {r['decode_tokens_per_second']:>12.1f}  "
+                  f"{r['decode_speedup']:>7.2f}x  {same:>13}  {per}")
     if args.plot:
         plot_acceptance(rows, args.plot)
     return 0 if all(r["identical_to_plain"] in (True, None) for r in rows) else 1

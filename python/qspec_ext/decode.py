@@ -29,7 +29,9 @@ class SpecDecodeStats:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     num_generated_tokens: int = 0
+    num_requests: int = 0
     wall_time: float = 0.0
+    first_token_time: float = 0.0  # of wall_time: until every request's first token (the target's prefill)
     compile_time: float = 0.0  # in_batches(warmup=True): the warm-up run's extra wall time
 
     @property
@@ -46,13 +48,22 @@ class SpecDecodeStats:
     def tokens_per_second(self) -> float:
         return self.num_generated_tokens / self.wall_time if self.wall_time > 0 else 0.0
 
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """The tokens after each request's first, over the time after it: the decode phase alone
+        (what speculative decoding speeds up; the prompt prefill is the same for both)."""
+        decode_time = self.wall_time - self.first_token_time
+        return (self.num_generated_tokens - self.num_requests) / decode_time if decode_time > 0 else 0.0
+
     def as_dict(self) -> dict:
         return dict(
             num_drafts=self.num_drafts, num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens, mean_acceptance_length=self.mean_acceptance_length,
             acceptance_rate_per_position=self.acceptance_rate_per_position,
-            num_generated_tokens=self.num_generated_tokens, wall_time=self.wall_time,
-            tokens_per_second=self.tokens_per_second, compile_time=self.compile_time,
+            num_generated_tokens=self.num_generated_tokens, num_requests=self.num_requests,
+            wall_time=self.wall_time, first_token_time=self.first_token_time,
+            tokens_per_second=self.tokens_per_second, decode_tokens_per_second=self.decode_tokens_per_second,
+            compile_time=self.compile_time,
         )
 
 
@@ -82,7 +93,9 @@ def in_batches(generate, prompts: list[list[int]], batch_size: int, warmup: bool
         total.num_draft_tokens += s.num_draft_tokens
         total.num_accepted_tokens += s.num_accepted_tokens
         total.num_generated_tokens += s.num_generated_tokens
+        total.num_requests += s.num_requests
         total.wall_time += s.wall_time
+        total.first_token_time += s.first_token_time
         per = total.accepted_per_position or [0] * len(s.accepted_per_position)
         total.accepted_per_position = [a + b for a, b in zip(per, s.accepted_per_position)]
     return GenerateResult(tokens, total)
@@ -169,6 +182,7 @@ def generate_plain(target, prompts: list[list[int]], max_new_tokens: int, temper
     next_token = sampler.pick(target(tokens, positions, last_only=True))
     generated: list[list[int]] = [[] for _ in prompts]
     done = [_finish(g, [t], max_new_tokens, eos_token_id) for g, t in zip(generated, next_token.tolist())]
+    first_token_time = time.perf_counter() - start
     position = torch.tensor([len(p) for p in prompts], device=device)
     while not all(done):
         step_pos = torch.where(torch.tensor(done, device=device), -1, position)[:, None]
@@ -178,7 +192,8 @@ def generate_plain(target, prompts: list[list[int]], max_new_tokens: int, temper
             if not done[b]:
                 done[b] = _finish(generated[b], [token], max_new_tokens, eos_token_id)
         position = position + 1
-    stats = SpecDecodeStats(num_generated_tokens=sum(map(len, generated)), wall_time=time.perf_counter() - start)
+    stats = SpecDecodeStats(num_generated_tokens=sum(map(len, generated)), num_requests=batch,
+                            wall_time=time.perf_counter() - start, first_token_time=first_token_time)
     return GenerateResult(generated, stats)
 
 
@@ -225,12 +240,16 @@ class SpeculativeDecoder:
         sampler = _Sampler(batch, temperature, top_k, top_p, seed, device)
         norm_mode, norm_weight = drafter.fc_norm_mode()
         eps = drafter.config.rms_norm_eps
-        stats = SpecDecodeStats(accepted_per_position=[0] * drafting.max_depth)
+        stats = SpecDecodeStats(accepted_per_position=[0] * drafting.max_depth, num_requests=batch)
 
         # Prefill: the target reads the prompts and picks the first token; the drafter reads
-        # the pairs (feature of prompt token t, prompt token t+1 or that first token).
+        # the pairs (feature of prompt token t, prompt token t+1 or that first token): decode
+        # time, as plain decoding has no such work.
         tokens, positions = _prefill_inputs(prompts, device, self.compiled)
         first = sampler.pick(target(tokens, positions, last_only=True))
+        generated: list[list[int]] = [[] for _ in prompts]
+        done = [_finish(g, [t], max_new_tokens, eos_token_id) for g, t in zip(generated, first.tolist())]
+        stats.first_token_time = time.perf_counter() - start
         lengths = torch.tensor([len(p) for p in prompts], device=device)
         pair_tokens = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)
         pair_tokens[torch.arange(batch, device=device), lengths - 1] = first
@@ -238,8 +257,6 @@ class SpeculativeDecoder:
         fc_input = target.capture.gather(rows.reshape(-1), norm_mode, norm_weight, eps)
         drafter.prefill(fc_input.view(batch, tokens.shape[1], -1), pair_tokens, positions, normalized=True)
 
-        generated: list[list[int]] = [[] for _ in prompts]
-        done = [_finish(g, [t], max_new_tokens, eos_token_id) for g, t in zip(generated, first.tolist())]
         last, position = first, lengths  # the newest token and its position (not yet in the target's cache)
         position_host = [len(p) for p in prompts]
         seeds = None if temperature == 0.0 else torch.tensor([seed * 1_000_003 + b for b in range(batch)], device=device)
