@@ -3,7 +3,8 @@ one run, in three modes: eager with the custom ops, eager with the pure-PyTorch 
 ops, and compiled (compile=True: static-shape graphs, CUDA graphs on CUDA).
 
     python benchmarks/bench_decode.py [--target DIR --draft DIR [--draft-parallel DIR]] [-k 3]
-                                      [--topk 4 --num-draft-tokens 16] [--batch 1 4] [--device cuda]
+                                      [--topk 4 --num-draft-tokens 16] [--drafting chain tree parallel]
+                                      [--batch 1 4] [--device cuda]
                                       [--dtype bf16] [--modes eager compiled] [--profile] [--json PATH]
 
 The pair defaults to the shipped demo pair (python/qspec_ext/demo_pair, its chain drafter
@@ -88,6 +89,8 @@ def main() -> int:
     parser.add_argument("--draft-parallel", help="P-EAGLE drafter (default: the shipped pair's, if --draft is not given)")
     parser.add_argument("--topk", type=int, default=4, help="tree drafting: children per node")
     parser.add_argument("--num-draft-tokens", type=int, default=None, help="tree drafting: nodes (default k * topk)")
+    parser.add_argument("--drafting", nargs="+", choices=["chain", "tree", "parallel"],
+                        default=["chain", "tree", "parallel"], help="drafting strategies to run")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -118,6 +121,7 @@ def main() -> int:
             parallel = Eagle3Drafter.from_pretrained(parallel_dir, dtype=dtype, device=args.device, target=target,
                                                      use_custom_ops=MODES[mode]["use_custom_ops"])
             decoders["parallel"] = SpeculativeDecoder(target, parallel, args.k, compile=compile)
+        decoders = {kind: decoder for kind, decoder in decoders.items() if kind in args.drafting}
         for batch in args.batch:
             prompts = [tokenizer.encode(t).ids for t in texts[:batch]]
             # The warm-up is the same run untimed: compiled, it builds every graph the timed run uses.

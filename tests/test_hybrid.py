@@ -95,7 +95,8 @@ def test_batched_equals_one_at_a_time(model_and_reference):
         runs.append(SpeculativeDecoder(target, oracle, 3).generate(PROMPTS, NEW))
         if split:
             assert generate_plain(target, PROMPTS, NEW).tokens == [r[:NEW] for r in reference]
-    same = [r.stats.as_dict() | {"wall_time": 0, "tokens_per_second": 0} for r in runs]
+    timings = dict.fromkeys(["wall_time", "first_token_time", "tokens_per_second", "decode_tokens_per_second"], 0)
+    same = [r.stats.as_dict() | timings for r in runs]
     assert runs[0].tokens == runs[1].tokens == runs[2].tokens == [r[:NEW] for r in reference]
     assert same[0] == same[1] == same[2]
     assert 0 < runs[0].stats.num_accepted_tokens < runs[0].stats.num_draft_tokens

@@ -3,6 +3,7 @@ it against plain decoding."""
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -208,43 +209,47 @@ def cmd_bench(args) -> int:
         decoders += [SpeculativeDecoder(target, drafter, k, topk=args.topk, num_draft_tokens=args.num_draft_tokens,
                                         compile=args.compile) for k in args.k]
     # Compiled: each configuration is timed after an untimed run that builds its graphs. With
-    # --repeat, rounds over all configurations, the best run of each kept (a shared machine's noise).
+    # --repeat, rounds over all configurations; each figure is the median over the rounds, a
+    # speed-up the median of each round's ratio to that round's plain run (paired: a shared
+    # machine's speed drifts between rounds).
     common = dict(max_new_tokens=args.max_new_tokens, eos_token_id=eos, **sampling_args(args))
     configs = [partial(generate_plain, target, compile=args.compile)] + [d.generate for d in decoders]
-    best, compile_times = [None] * len(configs), [0.0] * len(configs)
+    runs, compile_times = [[] for _ in configs], [0.0] * len(configs)
     with tqdm(total=args.repeat * len(configs), desc="qspec bench", file=sys.stderr) as bar:
         for round_ in range(args.repeat):
             for i, generate in enumerate(configs):
                 run = in_batches(generate, prompts, args.batch_size, warmup=args.compile and round_ == 0, **common)
                 compile_times[i] = max(compile_times[i], run.stats.compile_time)
-                if best[i] is None or run.stats.tokens_per_second > best[i].stats.tokens_per_second:
-                    best[i] = run
+                runs[i].append(run)
                 bar.update()
-    plain = best[0]
-    plain.stats.compile_time = compile_times[0]
+    plain, median = runs[0], statistics.median
     rows = []
-    for decoder, run, compile_time in zip(decoders, best[1:], compile_times[1:]):
-        s = run.stats
+    for decoder, spec, compile_time in zip(decoders, runs[1:], compile_times[1:]):
+        s, paired = spec[0].stats, list(zip(spec, plain))
         rows.append(dict(k=decoder.k, drafting=decoder.drafting.kind, topk=decoder.drafting.topk,
                          num_draft_tokens=decoder.drafting.num_draft_tokens,
                          mean_acceptance_length=s.mean_acceptance_length,
                          acceptance_per_position=s.acceptance_rate_per_position,
-                         tokens_per_second=s.tokens_per_second,
-                         speedup=s.tokens_per_second / plain.stats.tokens_per_second,
-                         decode_tokens_per_second=s.decode_tokens_per_second,
-                         decode_speedup=s.decode_tokens_per_second / plain.stats.decode_tokens_per_second,
+                         tokens_per_second=median(r.stats.tokens_per_second for r in spec),
+                         speedup=median(r.stats.tokens_per_second / p.stats.tokens_per_second for r, p in paired),
+                         decode_tokens_per_second=median(r.stats.decode_tokens_per_second for r in spec),
+                         decode_speedup=median(r.stats.decode_tokens_per_second / p.stats.decode_tokens_per_second
+                                               for r, p in paired),
                          compile_time=compile_time,
-                         identical_to_plain=run.tokens == plain.tokens if args.temperature == 0.0 else None))
+                         identical_to_plain=all(r.tokens == plain[0].tokens for r in spec)
+                         if args.temperature == 0.0 else None))
+    plain_rate = median(r.stats.tokens_per_second for r in plain)
+    plain_decode_rate = median(r.stats.decode_tokens_per_second for r in plain)
     if args.json:
-        print(json.dumps({"plain_tokens_per_second": plain.stats.tokens_per_second,
-                          "plain_decode_tokens_per_second": plain.stats.decode_tokens_per_second, "compile": args.compile,
+        print(json.dumps({"plain_tokens_per_second": plain_rate,
+                          "plain_decode_tokens_per_second": plain_decode_rate, "compile": args.compile,
                           "repeat": args.repeat, "runs": rows}, indent=1))
     else:
-        print(f"plain decoding: {plain.stats.tokens_per_second:.1f} tokens/s, decode phase "
-              f"{plain.stats.decode_tokens_per_second:.1f} tokens/s"
-              + (f" (compiled steps; compile time {plain.stats.compile_time:.0f} s, untimed)" if args.compile else ""))
-        print("tokens/s: all generated tokens over the whole run; decode: the tokens after each request's first, "
-              "over the time after the prompt prefill")
+        print(f"plain decoding: {plain_rate:.1f} tokens/s, decode phase {plain_decode_rate:.1f} tokens/s"
+              + (f" (compiled steps; compile time {compile_times[0]:.0f} s, untimed)" if args.compile else ""))
+        print(f"medians over {args.repeat} round(s); tokens/s: all generated tokens over the whole run; decode: the "
+              "tokens after each request's first, over the time after the prompt prefill; speed-up: each round's ratio "
+              "to that round's plain run")
         print(f"{'drafting':>8}  {'k':>3}  {'nodes':>5}  {'accept len':>10}  {'tokens/s':>9}  {'speed-up':>8}  "
               f"{'decode tok/s':>12}  {'speed-up':>8}  {'same as plain':>13}  acceptance per position")
         for r in rows:
