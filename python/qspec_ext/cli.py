@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--plot", metavar="PATH", help="write a PNG of acceptance length by k")
     bench.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (default 1: single stream)")
     bench.add_argument("--repeat", type=int, default=1,
-                       help="timed rounds over all configurations; each one's best run is reported")
+                       help="timed rounds over all configurations: medians reported, speed-ups paired per round")
     bench.set_defaults(run=cmd_bench)
     demo = commands.add_parser("demo", help="speculative decoding with the shipped Qwen3 target + EAGLE-3 drafter")
     demo.add_argument("--quick", action="store_true", help="2 prompts, 24 tokens, k = 1 and 3")
