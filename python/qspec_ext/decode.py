@@ -243,8 +243,8 @@ class SpeculativeDecoder:
         stats = SpecDecodeStats(accepted_per_position=[0] * drafting.max_depth, num_requests=batch)
 
         # Prefill: the target reads the prompts and picks the first token; the drafter reads
-        # the pairs (feature of prompt token t, prompt token t+1 or that first token): decode
-        # time, as plain decoding has no such work.
+        # the pairs (feature of prompt token t, prompt token t+1 or that first token). The
+        # drafter's part counts as decode time (after first_token_time): plain decoding has none.
         tokens, positions = _prefill_inputs(prompts, device, self.compiled)
         first = sampler.pick(target(tokens, positions, last_only=True))
         generated: list[list[int]] = [[] for _ in prompts]
