@@ -139,8 +139,8 @@ class OracleDrafter:
     def setup_caches(self, batch, length):
         self.inner.setup_caches(batch, length)
 
-    def prefill(self, features, tokens, positions, normalized=False, max_position=None):
-        self.inner.prefill(features, tokens, positions, normalized, max_position)
+    def prefill(self, *args, **kwargs):
+        self.inner.prefill(*args, **kwargs)
 
     def draft(self, k, parallel=None):
         newest = self.inner.state.next_position.tolist()  # position of the newest token

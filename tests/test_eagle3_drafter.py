@@ -96,6 +96,26 @@ def test_kernel_path_equals_reference_path(arch, flags, batch):
         torch.testing.assert_close(vf, vs, atol=2e-4, rtol=2e-4)
 
 
+@pytest.mark.parametrize("flags", [dict(), dict(norm_output=True)], ids=["plain", "norm_output"])
+def test_prefill_last_only_keeps_the_last_pairs(flags):
+    """prefill(last_only=True) returns the logits of each request's last pair (ragged batch) and
+    leaves the same cache and draft state as a full prefill (x_next depends on norm_output)."""
+    config = make_config("qwen3", **flags)
+    full, last = random_drafter(config), random_drafter(config)
+    features, next_tokens, positions = inputs(4, 7, config, pad=True)
+    all_logits, drafts_full, probs_full = run(full, 4, features, next_tokens, positions)
+    last.setup_caches(4, 64)
+    logits = last.prefill(features, next_tokens, positions, last_only=True)
+    ends = positions.argmax(dim=1)
+    assert ends.tolist() == [6, 4, 6, 6] and logits.shape == (4, DRAFT_VOCAB)
+    torch.testing.assert_close(logits, all_logits[torch.arange(4), ends], atol=1e-5, rtol=1e-5)
+    drafts, probs = last.draft(4, return_probs=True)
+    assert torch.equal(drafts, drafts_full)
+    torch.testing.assert_close(probs, probs_full, atol=1e-5, rtol=1e-5)
+    for (kf, vf), (kl, vl) in zip(full.caches, last.caches):
+        assert torch.equal(kf, kl) and torch.equal(vf, vl)
+
+
 def test_kernel_path_bf16_close_to_fp32():
     config = make_config("qwen3", fc_norm=True, norm_output=True)
     ref_model = random_drafter(config)

@@ -255,7 +255,8 @@ class SpeculativeDecoder:
         pair_tokens[torch.arange(batch, device=device), lengths - 1] = first
         rows = torch.where(positions >= 0, torch.arange(tokens.numel(), device=device).view_as(tokens), -1)
         fc_input = target.capture.gather(rows.reshape(-1), norm_mode, norm_weight, eps)
-        drafter.prefill(fc_input.view(batch, tokens.shape[1], -1), pair_tokens, positions, normalized=True)
+        drafter.prefill(fc_input.view(batch, tokens.shape[1], -1), pair_tokens, positions, normalized=True,
+                        last_only=True)
 
         last, position = first, lengths  # the newest token and its position (not yet in the target's cache)
         position_host = [len(p) for p in prompts]
@@ -306,5 +307,5 @@ class SpeculativeDecoder:
         fc_input = target.capture.gather(rows.reshape(-1), norm_mode, norm_weight, drafter.config.rms_norm_eps)
         pair_positions = torch.where(keep, position[:, None] + torch.arange(width, device=last.device), -1)
         drafter.prefill(fc_input.view(batch, width, -1), out[:, :width].clamp(min=0), pair_positions, normalized=True,
-                        max_position=top)
+                        max_position=top, last_only=True)
         return out, accepted, out.gather(1, accepted[:, None])[:, 0], position + accepted + 1

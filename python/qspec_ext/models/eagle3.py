@@ -334,13 +334,15 @@ class Eagle3Drafter(nn.Module):
 
     def forward(
         self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, from_features: bool,
-        normalized: bool = False, tree: TreeAttention | None = None,
+        normalized: bool = False, tree: TreeAttention | None = None, last_only: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One pass over pairs: hidden ``[B, T, n*H]`` features (from_features; already the
         normalized fc input when ``normalized``) or ``[B, T, H]`` x_next; tokens, positions
-        ``[B, T]`` (position -1 = padding). Returns logits ``[B, T, Vd]`` and x_next ``[B, T, H]``;
-        writes the pairs' K/V into the cache (at the slots of ``tree`` when the pairs are tree
-        nodes, which then attend to the context and their ancestors only)."""
+        ``[B, T]`` (position -1 = padding). Returns logits ``[B, T, Vd]`` and x_next ``[B, T, H]``
+        (``[B, Vd]``, ``[B, H]`` at each request's last position with ``last_only``: the final
+        norm and lm_head run on those rows only); writes the pairs' K/V into the cache (at the
+        slots of ``tree`` when the pairs are tree nodes, which then attend to the context and
+        their ancestors only)."""
         c, o = self.config, self.ops
         B, T = tokens.shape
         if B != self.batch_size or not self.caches:
@@ -364,22 +366,28 @@ class Eagle3Drafter(nn.Module):
                                                  c.window(i), tree)
             o.fused_add_rms_norm_(out, residual, layer.post_attention_layernorm.weight, c.rms_norm_eps)
             out = layer.mlp(out)
+        if last_only:
+            last = (torch.arange(B, device=out.device), positions.argmax(dim=1))
+            out, residual = out.view(B, T, -1)[last], residual.view(B, T, -1)[last]
         o.fused_add_rms_norm_(out, residual, self.norm.weight, c.rms_norm_eps)  # out = z, residual = h
         logits = self.lm_head(out)
         x_next = out if c.norm_output else residual
+        if last_only:
+            return logits, x_next
         return logits.view(B, T, -1), x_next.view(B, T, -1)
 
     # ------------------------------------------------------------------ drafting API
     @torch.no_grad()
     def prefill(self, aux_features: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
-                normalized: bool = False, max_position: int | None = None) -> torch.Tensor:
+                normalized: bool = False, max_position: int | None = None, last_only: bool = False) -> torch.Tensor:
         """Runs pairs (features of token t, token t+1) at ``positions`` (``[B, T]``, -1 = padding)
-        through the drafter, filling the KV cache; returns draft logits ``[B, T, Vd]`` and keeps
-        the last pair of each request as the start of the next :meth:`draft`. Also used after a
-        verification with the accepted tokens (positions rewind the cache). ``normalized``: the
-        features are already the fc input (gathered with :meth:`fc_norm_mode`). ``max_position``:
-        the largest position or a bound of it, when the caller knows one (saves a host
-        synchronization).
+        through the drafter, filling the KV cache; returns draft logits ``[B, T, Vd]`` (``[B, Vd]``
+        of each request's last pair with ``last_only``, which skips the lm_head of the other rows:
+        what decoding uses) and keeps the last pair of each request as the start of the next
+        :meth:`draft`. Also used after a verification with the accepted tokens (positions rewind
+        the cache). ``normalized``: the features are already the fc input (gathered with
+        :meth:`fc_norm_mode`). ``max_position``: the largest position or a bound of it, when the
+        caller knows one (saves a host synchronization).
 
         Inside a compiled decode step (``torch.compiler.is_compiling()``) the host-side checks
         here and in :meth:`draft` are skipped: SpeculativeDecoder sized the caches for every step."""
@@ -388,10 +396,12 @@ class Eagle3Drafter(nn.Module):
             if top >= self.max_length:
                 raise ValueError(f"Eagle3Drafter.prefill: position {top} beyond the cache ({self.max_length})")
             self.max_next_position = top + 1
-        logits, x_next = self(aux_features, next_tokens, positions, True, normalized)
-        last = positions.argmax(dim=1)
-        rows = torch.arange(positions.shape[0], device=positions.device)
-        self.state = DraftState(logits[rows, last].float(), x_next[rows, last], positions[rows, last] + 1)
+        logits, x_next = self(aux_features, next_tokens, positions, True, normalized, last_only=last_only)
+        last = (torch.arange(positions.shape[0], device=positions.device), positions.argmax(dim=1))
+        if last_only:
+            self.state = DraftState(logits.float(), x_next, positions[last] + 1)
+        else:
+            self.state = DraftState(logits[last].float(), x_next[last], positions[last] + 1)
         return logits
 
     @torch.no_grad()
