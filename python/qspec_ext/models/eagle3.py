@@ -398,10 +398,8 @@ class Eagle3Drafter(nn.Module):
             self.max_next_position = top + 1
         logits, x_next = self(aux_features, next_tokens, positions, True, normalized, last_only=last_only)
         last = (torch.arange(positions.shape[0], device=positions.device), positions.argmax(dim=1))
-        if last_only:
-            self.state = DraftState(logits.float(), x_next, positions[last] + 1)
-        else:
-            self.state = DraftState(logits[last].float(), x_next[last], positions[last] + 1)
+        last_logits, last_x = (logits, x_next) if last_only else (logits[last], x_next[last])
+        self.state = DraftState(last_logits.float(), last_x, positions[last] + 1)
         return logits
 
     @torch.no_grad()
