@@ -28,7 +28,7 @@ import torch
 from common import device_name, timed
 
 import qspec_ext
-from qspec_ext import Eagle3Drafter, Qwen3Target, SpeculativeDecoder, generate_plain
+from qspec_ext import Eagle3Drafter, NativeTarget, SpeculativeDecoder, generate_plain
 from qspec_ext.demo import DEMO_DIR, demo_prompts
 
 
@@ -39,7 +39,7 @@ MODES = {"eager": dict(use_custom_ops=True, compile=False), "reference-ops": dic
 
 def load_pair(target_dir: str, draft_dir: str, device: str, dtype: torch.dtype, use_custom_ops: bool):
     config = json.loads(open(f"{draft_dir}/config.json").read())
-    target = Qwen3Target.from_pretrained(target_dir, dtype=dtype, device=device, use_custom_ops=use_custom_ops,
+    target = NativeTarget.from_pretrained(target_dir, dtype=dtype, device=device, use_custom_ops=use_custom_ops,
                                          aux_layer_ids=config.get("eagle_aux_hidden_state_layer_ids"))
     drafter = Eagle3Drafter.from_pretrained(draft_dir, dtype=dtype, device=device, target=target,
                                             use_custom_ops=use_custom_ops)
@@ -105,11 +105,11 @@ def main() -> int:
     parser.add_argument("--min-time", type=float, default=0.0, help="accepted for gpu_check.sh; unused")
     parser.add_argument("--no-compile", action="store_true", help="accepted for gpu_check.sh; unused")
     args = parser.parse_args()
-    from tokenizers import Tokenizer
+    from qspec_ext.text import load_tokenizer
 
     target_dir, draft_dir = args.target or str(DEMO_DIR / "target"), args.draft or str(DEMO_DIR / "draft")
     parallel_dir = args.draft_parallel or (None if args.draft else str(DEMO_DIR / "draft-parallel"))
-    tokenizer = Tokenizer.from_file(f"{target_dir}/tokenizer.json")
+    tokenizer = load_tokenizer(target_dir)
     texts = demo_prompts(max(args.batch))
     rows, failures = [], 0
     eager_plain = {}

@@ -72,8 +72,8 @@ class OracleDrafter:
     def fc_norm_mode(self):
         return self.inner.fc_norm_mode()
 
-    def setup_caches(self, batch, length):
-        self.inner.setup_caches(batch, length)
+    def setup(self, batch, length):
+        self.inner.setup(batch, length)
 
     def prefill(self, *args, **kwargs):
         self.inner.prefill(*args, **kwargs)

@@ -18,7 +18,7 @@ from functools import partial
 import torch
 from common import device_name
 
-from qspec_ext import Eagle3Drafter, Qwen3Target
+from qspec_ext import Eagle3Drafter, NativeTarget
 from qspec_ext.demo import DEMO_DIR, stdlib_files
 from qspec_ext.rope import rope_cos_sin_cache
 from qspec_ext.train import TrainConfig, parallel_loss, ttt_loss
@@ -27,10 +27,10 @@ SEQ, BATCH, TTT, DEPTH = 256, 8, 7, 8
 
 
 def teacher_batch(device: str):
-    from tokenizers import Tokenizer
+    from qspec_ext.text import load_tokenizer
     from transformers import AutoModelForCausalLM
 
-    tokenizer = Tokenizer.from_file(str(DEMO_DIR / "target" / "tokenizer.json"))
+    tokenizer = load_tokenizer(DEMO_DIR / "target")
     stream = [t for path in stdlib_files("heldout")[:40] for t in tokenizer.encode(path.read_text(errors="replace")).ids]
     ids = torch.tensor(stream[: BATCH * SEQ], device=device).view(BATCH, SEQ)
     target = AutoModelForCausalLM.from_pretrained(DEMO_DIR / "target", dtype=torch.float32).to(device).eval()
@@ -40,7 +40,7 @@ def teacher_batch(device: str):
 
 
 def drafter(name: str, device: str) -> Eagle3Drafter:
-    target = Qwen3Target.from_pretrained(DEMO_DIR / "target", dtype=torch.float32, device=device)
+    target = NativeTarget.from_pretrained(DEMO_DIR / "target", dtype=torch.float32, device=device)
     model = Eagle3Drafter.from_pretrained(DEMO_DIR / name, dtype=torch.float32, device=device, target=target,
                                           use_custom_ops=False)
     model.embed_tokens.weight.requires_grad_(model.config.parallel_drafting)

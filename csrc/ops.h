@@ -12,29 +12,28 @@
 namespace qspec_ext {
 
 // ---- norm_rope: the drafter / target attention prologue ----
-at::Tensor rms_norm_cpu(const at::Tensor& input, const at::Tensor& weight, double eps);
-void fused_add_rms_norm_cpu(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight, double eps);
-std::tuple<at::Tensor, at::Tensor> eagle3_input_norm_cpu(const at::Tensor& embeds, const at::Tensor& hidden,
-                                                         const at::Tensor& embed_weight,
-                                                         const at::Tensor& hidden_weight, double eps,
-                                                         bool norm_before_residual);
+// The device halves; the op entry points around them are templates in norm_rope_entry.h.
+void rms_norm_cpu(const at::Tensor& rows, const at::Tensor& weight, double eps, at::Tensor& out);
+void fused_add_rms_norm_cpu(at::Tensor& in_rows, at::Tensor& res_rows, const at::Tensor& weight, double eps);
+void eagle3_input_norm_cpu(const at::Tensor& embeds, const at::Tensor& hidden, const at::Tensor& embed_weight,
+                           const at::Tensor& hidden_weight, double eps, bool norm_before_residual, at::Tensor& x,
+                           at::Tensor& residual);
 void qk_norm_rope_cpu(at::Tensor& qkv, const std::optional<at::Tensor>& q_weight,
                       const std::optional<at::Tensor>& k_weight, const at::Tensor& cos_sin_cache,
-                      const at::Tensor& positions, int64_t num_heads_q, int64_t num_heads_kv, int64_t head_dim,
-                      double eps, bool is_neox, const std::optional<at::Tensor>& k_cache,
-                      const std::optional<at::Tensor>& v_cache, const std::optional<at::Tensor>& slot_mapping);
+                      const at::Tensor& positions, double eps, bool is_neox, const std::optional<at::Tensor>& k_cache,
+                      const std::optional<at::Tensor>& v_cache, const std::optional<at::Tensor>& slot_mapping,
+                      const QKNormRopeShape& s);
 
-at::Tensor rms_norm_cuda(const at::Tensor& input, const at::Tensor& weight, double eps);
-void fused_add_rms_norm_cuda(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight, double eps);
-std::tuple<at::Tensor, at::Tensor> eagle3_input_norm_cuda(const at::Tensor& embeds, const at::Tensor& hidden,
-                                                          const at::Tensor& embed_weight,
-                                                          const at::Tensor& hidden_weight, double eps,
-                                                          bool norm_before_residual);
+void rms_norm_cuda(const at::Tensor& rows, const at::Tensor& weight, double eps, at::Tensor& out);
+void fused_add_rms_norm_cuda(at::Tensor& in_rows, at::Tensor& res_rows, const at::Tensor& weight, double eps);
+void eagle3_input_norm_cuda(const at::Tensor& embeds, const at::Tensor& hidden, const at::Tensor& embed_weight,
+                            const at::Tensor& hidden_weight, double eps, bool norm_before_residual, at::Tensor& x,
+                            at::Tensor& residual);
 void qk_norm_rope_cuda(at::Tensor& qkv, const std::optional<at::Tensor>& q_weight,
                        const std::optional<at::Tensor>& k_weight, const at::Tensor& cos_sin_cache,
-                       const at::Tensor& positions, int64_t num_heads_q, int64_t num_heads_kv, int64_t head_dim,
-                       double eps, bool is_neox, const std::optional<at::Tensor>& k_cache,
-                       const std::optional<at::Tensor>& v_cache, const std::optional<at::Tensor>& slot_mapping);
+                       const at::Tensor& positions, double eps, bool is_neox, const std::optional<at::Tensor>& k_cache,
+                       const std::optional<at::Tensor>& v_cache, const std::optional<at::Tensor>& slot_mapping,
+                       const QKNormRopeShape& s);
 
 // ---- aux_gather: target features into the drafter's fc input ----
 // The device halves; the op entry points around them are templates in aux_gather_entry.h.

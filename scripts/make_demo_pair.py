@@ -88,12 +88,12 @@ def train_target(tokenizer, files, out_dir: Path, steps: int, curves: dict):
 
 
 def train_shipped_drafter(out: Path, name: str, files, config: TrainConfig, curves: dict):
-    from qspec_ext import Eagle3Drafter, Qwen3Target
+    from qspec_ext import Eagle3Drafter, NativeTarget
 
     _, history = train_drafter(out / "target", files, out / name, config)
     curves[name] = {"loss": [h[0] for h in history], "accuracy_per_step": [h[1] for h in history]}
     # Ship bf16 weights, like the target.
-    target = Qwen3Target.from_pretrained(out / "target")
+    target = NativeTarget.from_pretrained(out / "target")
     Eagle3Drafter.from_pretrained(out / name, dtype=torch.bfloat16, target=target).save_pretrained(out / name)
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from qspec_ext import Eagle3Drafter, Qwen3Target, SpeculativeDecoder
+from qspec_ext import Eagle3Drafter, NativeTarget, SpeculativeDecoder
 from qspec_ext.decode import in_batches
 from qspec_ext.demo import DEMO_DIR, demo_prompts, heldout_cross_entropy
 
@@ -36,16 +36,16 @@ def main():
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     args = parser.parse_args()
-    from tokenizers import Tokenizer
+    from qspec_ext.text import load_tokenizer
     from transformers import AutoModelForCausalLM
 
     pair = Path(args.pair)
-    tokenizer = Tokenizer.from_file(str(pair / "target" / "tokenizer.json"))
+    tokenizer = load_tokenizer(pair / "target")
     model = AutoModelForCausalLM.from_pretrained(pair / "target", dtype=torch.float32).eval()
     per_token, per_byte = heldout_cross_entropy(model, tokenizer, args.files, args.tokens)
     report = {"heldout_nats_per_token": per_token, "heldout_nats_per_byte": per_byte,
               "size_mb": sum(f.stat().st_size for f in pair.rglob("*.safetensors")) / 1e6}
-    target = Qwen3Target.from_pretrained(pair / "target", dtype=torch.float32)
+    target = NativeTarget.from_pretrained(pair / "target", dtype=torch.float32)
     prompts = [tokenizer.encode(t).ids for t in demo_prompts(args.prompts)]
     for name in ("draft", "draft-parallel"):
         if (pair / name).is_dir():

@@ -8,7 +8,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from qspec_ext import Eagle3Drafter, Qwen3Target  # noqa: E402
+from qspec_ext import Eagle3Drafter, NativeTarget  # noqa: E402
 from qspec_ext.cli import main as qspec_main  # noqa: E402
 from qspec_ext.demo import DEMO_DIR  # noqa: E402
 from qspec_ext.models.checkpoint import CheckpointError  # noqa: E402
@@ -42,8 +42,8 @@ def test_compiled_generation_from_the_command_line(capsys):
     eager = generate_json(["--prompt", "def main():\n"], capsys)
     compiled = generate_json(["--prompt", "def main():\n", "--compile"], capsys)
     assert compiled["outputs"][0]["token_ids"] == eager["outputs"][0]["token_ids"]
-    assert qspec_main(["generate", "--prompt", "x", "--compile", "--hf-target"]) == 2
-    assert "compile=True needs a Qwen3Target and an Eagle3Drafter" in capsys.readouterr().err
+    assert qspec_main(["generate", "--prompt", "x", "--compile", "--backend", "transformers"]) == 2
+    assert "compile=True needs a target whose forward compiles" in capsys.readouterr().err
 
 
 def test_parallel_with_a_chain_drafter_is_refused(capsys):
@@ -153,7 +153,7 @@ def test_chat_formats_with_the_template_and_stops_at_its_eos(chat_pair, capsys, 
     expected = fast.apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True,
                                         tokenize=False)
     assert seen[0][0] == [fast(expected, add_special_tokens=False)["input_ids"]]
-    assert seen[0][1] == fast.eos_token_id
+    assert seen[0][1] == [fast.eos_token_id]
     assert result["outputs"][0]["token_ids"] == [fast.eos_token_id], "stopped at the template's EOS"
 
 
@@ -185,7 +185,7 @@ def test_hub_ids_resolve_through_the_local_cache(tmp_path, monkeypatch, capsys):
     populate_cache(cache, "qspec/demo-draft", DEMO_DIR / "draft")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    target = Qwen3Target.from_pretrained("qspec/demo-target")
+    target = NativeTarget.from_pretrained("qspec/demo-target")
     drafter = Eagle3Drafter.from_pretrained("qspec/demo-draft", target=target)
     assert drafter.config.hidden_size == target.config.hidden_size
     via_ids = generate_json(["--target", "qspec/demo-target", "--draft", "qspec/demo-draft", "--prompt", "import os"],
@@ -194,4 +194,48 @@ def test_hub_ids_resolve_through_the_local_cache(tmp_path, monkeypatch, capsys):
     assert via_ids["outputs"][0]["token_ids"] == local["outputs"][0]["token_ids"]
     with pytest.raises(CheckpointError, match=r"qspec/missing: not a local directory, and not found in the local "
                                               r"Hugging Face cache \(HF_HUB_OFFLINE is set\)"):
-        Qwen3Target.from_pretrained("qspec/missing")
+        NativeTarget.from_pretrained("qspec/missing")
+
+
+@pytest.mark.parametrize("size", ["0", "-1"])
+def test_bench_batch_size_must_be_positive(capsys, size):
+    assert qspec_main(["bench", "--prompt", "x", "-k", "1", "--batch-size", size]) == 2
+    assert capsys.readouterr().err.strip() == f"qspec bench: error: qspec bench: --batch-size must be >= 1, got {size}"
+
+
+def test_generate_stops_at_every_id_the_target_lists(tmp_path, capsys, monkeypatch):
+    """An instruct model lists several end ids (generation_config.json): each one stops."""
+    import shutil
+
+    from qspec_ext.decode import SpeculativeDecoder
+
+    target = tmp_path / "target"
+    shutil.copytree(DEMO_DIR / "target", target)
+    free = generate_json(["--target", str(target), "--draft", str(DEMO_DIR / "draft"), "--prompt", "def main():\n"],
+                         capsys)["outputs"][0]["token_ids"]
+    (target / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, free[1]]}))
+    seen, real = [], SpeculativeDecoder.generate
+
+    def spy(self, prompts, max_new_tokens, **kwargs):
+        seen.append(kwargs.get("eos_token_id"))
+        return real(self, prompts, max_new_tokens, **kwargs)
+
+    monkeypatch.setattr(SpeculativeDecoder, "generate", spy)
+    stopped = generate_json(["--target", str(target), "--draft", str(DEMO_DIR / "draft"), "--prompt", "def main():\n"],
+                            capsys)["outputs"][0]["token_ids"]
+    assert seen == [sorted({0, free[1]})]
+    assert stopped == free[: free.index(free[1]) + 1]
+
+
+def test_cli_passes_top_k_and_top_p(capsys, monkeypatch):
+    from qspec_ext.decode import SpeculativeDecoder
+
+    seen, real = [], SpeculativeDecoder.generate
+
+    def spy(self, prompts, max_new_tokens, **kwargs):
+        seen.append(kwargs)
+        return real(self, prompts, max_new_tokens, **kwargs)
+
+    monkeypatch.setattr(SpeculativeDecoder, "generate", spy)
+    generate_json(["--prompt", "x", "--temperature", "0.7", "--top-k", "5", "--top-p", "0.9", "--seed", "3"], capsys)
+    assert (seen[0]["temperature"], seen[0]["top_k"], seen[0]["top_p"], seen[0]["seed"]) == (0.7, 5, 0.9, 3)

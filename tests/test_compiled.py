@@ -10,7 +10,7 @@ from test_decode import PROMPTS, VOCAB, law_pvalue, make_drafter, make_hf, targe
 
 from conftest import DEVICES  # noqa: E402
 
-from qspec_ext import HFTarget, Qwen3Target, SpeculativeDecoder, generate_plain  # noqa: E402
+from qspec_ext import HFTarget, NativeTarget, SpeculativeDecoder, generate_plain  # noqa: E402
 from qspec_ext.compiled import BUCKET  # noqa: E402
 
 SMALL_AUX = [1, 2, 3]  # a 3-layer target: each graph compiles in a few seconds
@@ -26,7 +26,7 @@ def target_dir(tmp_path_factory):
 @pytest.fixture(scope="module", params=DEVICES)
 def pair(request, target_dir):
     """One compiled target and drafters per device, shared by the tests (compiling costs seconds per graph)."""
-    target = Qwen3Target.from_pretrained(target_dir, aux_layer_ids=SMALL_AUX, device=request.param)
+    target = NativeTarget.from_pretrained(target_dir, aux_layer_ids=SMALL_AUX, device=request.param)
     chain = make_drafter(draft_vocab=60).to(request.param)
     parallel = make_drafter(parallel_drafting=True, mask_token_id=VOCAB - 1, speculative_tokens=4).to(request.param)
     return target, chain, parallel
@@ -34,14 +34,20 @@ def pair(request, target_dir):
 
 def compiled_and_eager(target, drafter, k, prompts, new_tokens=20, **kwargs):
     compiled = SpeculativeDecoder(target, drafter, k, compile=True, **kwargs).generate(prompts, new_tokens)
-    # the eager reference: the same models with their compiled forwards set aside
-    saved = target._compiled_call_impl, drafter._compiled_call_impl
-    target._compiled_call_impl = drafter._compiled_call_impl = None
-    try:
-        eager = SpeculativeDecoder(target, drafter, k, **kwargs).generate(prompts, new_tokens)
-    finally:
-        target._compiled_call_impl, drafter._compiled_call_impl = saved
+    eager = SpeculativeDecoder(target, drafter, k, **kwargs).generate(prompts, new_tokens)
     return compiled, eager
+
+
+def test_compiling_leaves_the_callers_models_and_dynamo_config_alone(pair):
+    """compile=True compiles separate callables: the models stay eager for their other callers,
+    and dynamo's recompile limit is raised only while the compiled calls run."""
+    target, chain, _ = pair
+    limit = torch._dynamo.config.recompile_limit
+    SpeculativeDecoder(target, chain, 2, compile=True).generate(PROMPTS[:1], 6)
+    generate_plain(target, PROMPTS[:1], 6, compile=True)
+    assert target._compiled_call_impl is None and chain._compiled_call_impl is None
+    assert torch._dynamo.config.recompile_limit == limit
+    assert "_qspec_compiled" in vars(target) and "_qspec_compiled" in vars(chain)
 
 
 @pytest.mark.parametrize("k", range(1, 8))
@@ -77,7 +83,6 @@ def test_drafting_strategies_keep_no_tensor_between_steps(pair, topk, parallel):
 def test_compiled_plain_decoding_equals_eager(pair):
     target, _, _ = pair
     compiled = generate_plain(target, PROMPTS, 20, compile=True)
-    target._compiled_call_impl = None
     assert compiled.tokens == generate_plain(target, PROMPTS, 20).tokens
 
 
@@ -98,7 +103,7 @@ def test_compiled_sampling_follows_the_target_distribution(tmp_path):
     vocab, prompt, n, length = 6, [1, 2, 3], 3000, 3
     hf = make_hf(vocab=vocab, seed=4, scale=4.0, layers=3)
     hf.save_pretrained(tmp_path)
-    target = Qwen3Target.from_pretrained(tmp_path, aux_layer_ids=SMALL_AUX)
+    target = NativeTarget.from_pretrained(tmp_path, aux_layer_ids=SMALL_AUX)
     law = target_law(hf, prompt, vocab, length, 0.8, None, None)
     spec = SpeculativeDecoder(target, make_drafter(vocab=vocab), 2, compile=True).generate(
         [prompt] * n, length, temperature=0.8, seed=5)
@@ -134,7 +139,7 @@ def test_decode_memory_does_not_grow_per_step(pair, compile):
 
 def test_compile_needs_the_built_in_models(target_dir):
     hf = HFTarget(transformers.AutoModelForCausalLM.from_pretrained(target_dir), aux_layer_ids=SMALL_AUX)
-    with pytest.raises(ValueError, match="SpeculativeDecoder: compile=True needs a Qwen3Target"):
+    with pytest.raises(ValueError, match="SpeculativeDecoder: compile=True needs a target whose forward compiles"):
         SpeculativeDecoder(hf, make_drafter(), 3, compile=True)
-    with pytest.raises(ValueError, match="generate_plain: compile=True needs a Qwen3Target"):
+    with pytest.raises(ValueError, match="generate_plain: compile=True needs a target whose forward compiles"):
         generate_plain(hf, PROMPTS, 4, compile=True)

@@ -10,7 +10,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import qspec_ext  # noqa: E402
-from qspec_ext import Eagle3Config, Eagle3Drafter, HFTarget, Qwen3Target, SpeculativeDecoder, generate_plain  # noqa: E402
+from qspec_ext import Eagle3Config, Eagle3Drafter, HFTarget, NativeTarget, SpeculativeDecoder, generate_plain  # noqa: E402
 from qspec_ext.cli import main as qspec_main  # noqa: E402
 from qspec_ext.models.checkpoint import CheckpointError  # noqa: E402
 
@@ -65,7 +65,7 @@ PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22, 23, 24, 25, 26, 27, 28], [3],
 def test_qwen3_target_matches_transformers(tmp_path, tie):
     hf = make_hf(tie=tie)
     hf.save_pretrained(tmp_path)
-    target = Qwen3Target.from_pretrained(tmp_path, aux_layer_ids=[0, 2, LAYERS])
+    target = NativeTarget.from_pretrained(tmp_path, aux_layer_ids=[0, 2, LAYERS])
     tokens = torch.randint(0, VOCAB, (2, 9))
     positions = torch.arange(9).expand(2, 9).clone()
     positions[1, 6:] = -1  # a shorter request
@@ -98,7 +98,7 @@ def test_qwen3_target_with_rope_scaling_matches_transformers(tmp_path, scaling):
     torch.manual_seed(0)
     hf = transformers.Qwen3ForCausalLM(config).eval()
     hf.save_pretrained(tmp_path)
-    target = Qwen3Target.from_pretrained(tmp_path, aux_layer_ids=AUX)
+    target = NativeTarget.from_pretrained(tmp_path, aux_layer_ids=AUX)
     tokens = torch.randint(0, VOCAB, (1, 80))
     target.setup(1, 96)
     logits = target(tokens, torch.arange(80)[None])
@@ -136,8 +136,8 @@ class OracleDrafter:
     def fc_norm_mode(self):
         return self.inner.fc_norm_mode()
 
-    def setup_caches(self, batch, length):
-        self.inner.setup_caches(batch, length)
+    def setup(self, batch, length):
+        self.inner.setup(batch, length)
 
     def prefill(self, *args, **kwargs):
         self.inner.prefill(*args, **kwargs)
@@ -176,7 +176,7 @@ def check_noisy_oracle(target, k, prompts, error_rate=0.3, new_tokens=24, seed=0
 @pytest.mark.parametrize("k", range(1, 8))
 @pytest.mark.parametrize("batch", [1, 5])
 def test_greedy_is_lossless_builtin_target(hf_dir, k, batch):
-    target = Qwen3Target.from_pretrained(hf_dir, aux_layer_ids=AUX)
+    target = NativeTarget.from_pretrained(hf_dir, aux_layer_ids=AUX)
     prompts = PROMPTS[:batch]
     check_noisy_oracle(target, k, prompts, seed=k)
     drafter = make_drafter(fc_norm=k % 2 == 0, norm_output=k % 3 == 0)  # a random drafter: rejections
@@ -192,13 +192,13 @@ def test_greedy_is_lossless_hf_target(hf_dir, k, batch):
 
 def test_greedy_is_lossless_hf_target_with_a_draft_vocabulary(hf_dir):
     hf = transformers.Qwen3ForCausalLM.from_pretrained(hf_dir).eval()
-    plain = generate_plain(Qwen3Target.from_pretrained(hf_dir, aux_layer_ids=AUX), PROMPTS, 16)
+    plain = generate_plain(NativeTarget.from_pretrained(hf_dir, aux_layer_ids=AUX), PROMPTS, 16)
     assert SpeculativeDecoder(HFTarget(hf, AUX), make_drafter(draft_vocab=60), 4).generate(PROMPTS, 16).tokens == plain.tokens
 
 
 def test_eos_inside_an_accepted_run_stops_there(hf_dir):
     """The oracle's drafts are all accepted, so EOS arrives in the middle of an accepted run."""
-    target = Qwen3Target.from_pretrained(hf_dir, aux_layer_ids=AUX)
+    target = NativeTarget.from_pretrained(hf_dir, aux_layer_ids=AUX)
     plain = generate_plain(target, PROMPTS, 40)
     oracle = OracleDrafter(make_drafter(), plain.tokens, [len(p) for p in PROMPTS])
     eos = plain.tokens[0][6]
@@ -211,7 +211,7 @@ def test_eos_inside_an_accepted_run_stops_there(hf_dir):
 
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_stats_of_a_drafter_that_copies_the_target(hf_dir, k):
-    target = Qwen3Target.from_pretrained(hf_dir, aux_layer_ids=AUX)
+    target = NativeTarget.from_pretrained(hf_dir, aux_layer_ids=AUX)
     plain = generate_plain(target, PROMPTS, 30 + k)  # the oracle's drafts may run past 30 tokens
     oracle = OracleDrafter(make_drafter(), plain.tokens, [len(p) for p in PROMPTS])
     spec = SpeculativeDecoder(target, oracle, k).generate(PROMPTS, 30)
@@ -225,7 +225,7 @@ def test_stats_of_chunked_batches_add_up(hf_dir):
     """in_batches (qspec bench --batch-size) sums the stats of its chunks."""
     from qspec_ext.decode import in_batches
 
-    target = Qwen3Target.from_pretrained(hf_dir, aux_layer_ids=AUX)
+    target = NativeTarget.from_pretrained(hf_dir, aux_layer_ids=AUX)
     k = 3
     plain = generate_plain(target, PROMPTS, 20 + k)
     continuation = {tuple(p): t for p, t in zip(PROMPTS, plain.tokens)}
@@ -249,7 +249,7 @@ def test_first_token_time_is_the_target_prefill_only(hf_dir, monkeypatch):
     drafter's first prefill, nothing else."""
     import time
 
-    target = Qwen3Target.from_pretrained(hf_dir, aux_layer_ids=AUX)
+    target = NativeTarget.from_pretrained(hf_dir, aux_layer_ids=AUX)
     drafter = make_drafter()
     now = [0.0]
     monkeypatch.setattr(time, "perf_counter", lambda: now[0])
@@ -277,7 +277,7 @@ def test_first_token_time_is_the_target_prefill_only(hf_dir, monkeypatch):
 def test_first_prefill_pairs_each_prompt_token_with_the_next(hf_dir):
     """The drafter's first prefill: pair t = (feature of prompt token t, prompt token t+1), the
     last pair carries the target's first token, positions 0..L-1 then -1."""
-    target = Qwen3Target.from_pretrained(hf_dir, aux_layer_ids=AUX)
+    target = NativeTarget.from_pretrained(hf_dir, aux_layer_ids=AUX)
     drafter = make_drafter()
     calls = []
     real = drafter.prefill
@@ -309,7 +309,7 @@ def test_hf_target_that_cannot_batch_crops_per_request(tmp_path):
 
 def test_plain_decoding_equals_transformers_generate(hf_dir):
     """The built-in target's plain decoding against transformers' own greedy generate."""
-    target = Qwen3Target.from_pretrained(hf_dir, aux_layer_ids=AUX)
+    target = NativeTarget.from_pretrained(hf_dir, aux_layer_ids=AUX)
     hf = transformers.Qwen3ForCausalLM.from_pretrained(hf_dir).eval()
     plain = generate_plain(target, PROMPTS, 12)
     for prompt, tokens in zip(PROMPTS, plain.tokens):
@@ -321,7 +321,7 @@ def test_plain_decoding_equals_transformers_generate(hf_dir):
 def test_stats_count_what_was_accepted(hf_dir):
     """One request, a drafter that errs at random: the stats equal a recount from the drafts
     (greedy verification keeps the drafts that match the plain continuation)."""
-    target = Qwen3Target.from_pretrained(hf_dir, aux_layer_ids=AUX)
+    target = NativeTarget.from_pretrained(hf_dir, aux_layer_ids=AUX)
     k, new_tokens = 4, 40
     plain = generate_plain(target, PROMPTS[:1], new_tokens + k + 1)
     oracle = OracleDrafter(make_drafter(), plain.tokens, [len(PROMPTS[0])], error_rate=0.3, seed=5)
@@ -343,7 +343,7 @@ def test_stats_count_what_was_accepted(hf_dir):
 
 
 def test_sampled_stats_are_consistent(hf_dir):
-    target = Qwen3Target.from_pretrained(hf_dir, aux_layer_ids=AUX)
+    target = NativeTarget.from_pretrained(hf_dir, aux_layer_ids=AUX)
     spec = SpeculativeDecoder(target, make_drafter(), 4).generate(PROMPTS, 20, temperature=0.9, seed=3)
     s = spec.stats
     rates = s.acceptance_rate_per_position
@@ -353,7 +353,7 @@ def test_sampled_stats_are_consistent(hf_dir):
 
 
 def test_eos_and_limits(hf_dir):
-    target = Qwen3Target.from_pretrained(hf_dir, aux_layer_ids=AUX)
+    target = NativeTarget.from_pretrained(hf_dir, aux_layer_ids=AUX)
     plain = generate_plain(target, PROMPTS, 20)
     eos = plain.tokens[2][5]
     spec = SpeculativeDecoder(target, make_drafter(), 3).generate(PROMPTS, 20, eos_token_id=eos)
@@ -363,7 +363,7 @@ def test_eos_and_limits(hf_dir):
     with pytest.raises(ValueError, match=r"a prompt of 300 tokens \+ max_new_tokens=10 \(\+6 for drafts\) does not fit the cache of 256"):
         SpeculativeDecoder(target, make_drafter(), 3).generate([[1] * 300], 10)
     with pytest.raises(ValueError, match=r"the target exposes 2 aux layers \[1, 3\], the drafter's fc takes 3"):
-        SpeculativeDecoder(Qwen3Target.from_pretrained(hf_dir, aux_layer_ids=[1, 3]), make_drafter(), 3)
+        SpeculativeDecoder(NativeTarget.from_pretrained(hf_dir, aux_layer_ids=[1, 3]), make_drafter(), 3)
 
 
 def filtered_distribution(logits, temperature, top_k, top_p):
@@ -421,7 +421,7 @@ def test_sampling_follows_the_target_distribution(tmp_path, temperature, top_k, 
     vocab, prompt, n, length, k = 6, [1, 2, 3], 4000, 4, 2
     hf = make_hf(vocab=vocab, seed=4, scale=4.0)  # sharper than random init, far from the drafter
     hf.save_pretrained(tmp_path)
-    target = Qwen3Target.from_pretrained(tmp_path, aux_layer_ids=AUX)
+    target = NativeTarget.from_pretrained(tmp_path, aux_layer_ids=AUX)
     law = target_law(hf, prompt, vocab, length, temperature, top_k, top_p)
     spec = SpeculativeDecoder(target, make_drafter(vocab=vocab), k).generate(
         [prompt] * n, length, temperature=temperature, top_k=top_k, top_p=top_p, seed=7)
@@ -488,5 +488,5 @@ def test_bad_target_checkpoint(tmp_path):
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["model_type"] = "llama"
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match=r"config.json: Qwen3Target loads dense Qwen3 checkpoints, got model_type='llama'"):
-        Qwen3Target.from_pretrained(tmp_path)
+    with pytest.raises(CheckpointError, match=r"config.json: NativeTarget loads dense Qwen3 checkpoints, got model_type='llama'"):
+        NativeTarget.from_pretrained(tmp_path)

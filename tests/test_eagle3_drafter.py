@@ -67,7 +67,7 @@ def inputs(batch, tokens, config, seed=1, pad=False):
 
 
 def run(model, batch, features, next_tokens, positions, k=4):
-    model.setup_caches(batch, 64)
+    model.setup(batch, 64)
     logits = model.prefill(features, next_tokens, positions)
     drafts, probs = model.draft(k, return_probs=True)
     return logits, drafts, probs
@@ -104,7 +104,7 @@ def test_prefill_last_only_keeps_the_last_pairs(flags):
     full, last = random_drafter(config), random_drafter(config)
     features, next_tokens, positions = inputs(4, 7, config, pad=True)
     all_logits, drafts_full, probs_full = run(full, 4, features, next_tokens, positions)
-    last.setup_caches(4, 64)
+    last.setup(4, 64)
     logits = last.prefill(features, next_tokens, positions, last_only=True)
     ends = positions.argmax(dim=1)
     assert ends.tolist() == [6, 4, 6, 6] and logits.shape == (4, DRAFT_VOCAB)
@@ -238,13 +238,13 @@ def test_rollback_is_moving_positions():
     config = make_config("qwen3", norm_output=True)
     model = random_drafter(config)
     features, tokens, positions = inputs(1, 8, config)
-    model.setup_caches(1, 32)
+    model.setup(1, 32)
     model.prefill(features[:, :5], tokens[:, :5], positions[:, :5])
     model.draft(4)  # speculative K/V at positions 5..7
     model.prefill(features[:, 5:], tokens[:, 5:], positions[:, 5:])  # the real pairs overwrite them
     after_rollback = model.draft(3)[0]
     fresh = random_drafter(config)
-    fresh.setup_caches(1, 32)
+    fresh.setup(1, 32)
     fresh.prefill(features, tokens, positions)
     assert torch.equal(after_rollback, fresh.draft(3)[0])
 
@@ -344,6 +344,36 @@ def test_save_load_round_trip(tmp_path):
     assert torch.equal(logits_of(loaded), logits_of(model))
     for key, value in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], value), key
+
+
+# What vLLM's speculators loader reads with no model defaults (it passes transformer_layer_config
+# as bare keyword arguments to the layer's config class), and the flags whose defaults differ
+# between vLLM and speculators.
+VLLM_LAYER_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                   "num_hidden_layers", "vocab_size", "rms_norm_eps", "hidden_act", "max_position_embeddings",
+                   "rope_parameters", "attention_bias", "tie_word_embeddings")
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("parallel", [False, True])
+def test_saved_config_carries_everything_vllm_reads(tmp_path, arch, parallel):
+    transformers = pytest.importorskip("transformers")
+    extra = dict(parallel_drafting=True, mask_token_id=VOCAB - 1) if parallel else {}
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    model = random_drafter(make_config(arch, norm_before_residual=True, rope_scaling=scaling, **extra))
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    layer = saved["transformer_layer_config"]
+    assert [key for key in VLLM_LAYER_KEYS if key not in layer] == []
+    assert all(name in saved for name in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"))
+    assert saved["draft_vocab_size"] == DRAFT_VOCAB and saved["speculators_model_type"] == ("peagle" if parallel else "eagle3")
+    if parallel:
+        assert saved["mask_token_id"] == VOCAB - 1
+    # The layer config alone (as vLLM builds it) gives the drafter's own shapes and RoPE.
+    built = transformers.AutoConfig.for_model(**layer)
+    assert (built.hidden_act, built.head_dim, built.num_key_value_heads, built.intermediate_size) == (
+        "silu", HEAD_DIM, KV_HEADS, FFN)
+    assert built.rope_parameters == {"rope_theta": 10000.0, **scaling}
 
 
 def test_missing_speculators_flags_default_to_false_and_are_logged(tmp_path, caplog):

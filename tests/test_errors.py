@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 transformers = pytest.importorskip("transformers")
 
 import qspec_ext  # noqa: E402
-from qspec_ext import Eagle3Config, Eagle3Drafter, Qwen3Target, SpeculativeDecoder, generate_plain  # noqa: E402
+from qspec_ext import Eagle3Config, Eagle3Drafter, NativeTarget, SpeculativeDecoder, generate_plain  # noqa: E402
 from qspec_ext.cli import main as qspec_main  # noqa: E402
 from qspec_ext.train import TrainConfig, train_drafter  # noqa: E402
 
@@ -26,7 +26,7 @@ def pair(tmp_path_factory):
         vocab_size=VOCAB, hidden_size=H, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=2,
         num_key_value_heads=1, head_dim=16, max_position_embeddings=128, eos_token_id=None))
     hf.save_pretrained(path)
-    target = Qwen3Target.from_pretrained(path, aux_layer_ids=AUX)
+    target = NativeTarget.from_pretrained(path, aux_layer_ids=AUX)
     drafter = Eagle3Drafter(drafter_config()).eval()
     return target, drafter
 
@@ -100,10 +100,10 @@ def test_tensor_prompts_are_accepted(pair):
          ValueError, "the drafter's hidden_size 64 differs from the target's 32"),
         (lambda t, d: SpeculativeDecoder(t, Eagle3Drafter(drafter_config(num_aux=2, aux_layer_ids=[1, 2])), 2),
          ValueError, "the target exposes 3 aux layers [1, 2, 3], the drafter's fc takes 2"),
-        (lambda t, d: Qwen3Target(t.config, aux_layer_ids=[1, 2, 9]), ValueError,
-         "Qwen3Target: aux_layer_ids must be distinct ids in [0, 4] for a model of 4 layers, got [1, 2, 9]"),
-        (lambda t, d: Qwen3Target(t.config, aux_layer_ids=[1, 1, 2]), ValueError, "must be distinct ids in [0, 4]"),
-        (lambda t, d: Qwen3Target(t.config, aux_layer_ids="1,2"), TypeError, "aux_layer_ids must be a list of ints"),
+        (lambda t, d: NativeTarget(t.config, aux_layer_ids=[1, 2, 9]), ValueError,
+         "NativeTarget: aux_layer_ids must be distinct ids in [0, 4] for a model of 4 layers, got [1, 2, 9]"),
+        (lambda t, d: NativeTarget(t.config, aux_layer_ids=[1, 1, 2]), ValueError, "must be distinct ids in [0, 4]"),
+        (lambda t, d: NativeTarget(t.config, aux_layer_ids="1,2"), TypeError, "aux_layer_ids must be a list of ints"),
     ],
 )
 def test_bad_pairs(pair, make, kind, message):
@@ -121,7 +121,7 @@ def test_draft_vocab_mapping_out_of_range_is_rejected_with_the_pair(pair):
 
 
 def test_bad_loader_arguments(tmp_path):
-    for load in (Qwen3Target.from_pretrained, Eagle3Drafter.from_pretrained):
+    for load in (NativeTarget.from_pretrained, Eagle3Drafter.from_pretrained):
         name = load.__qualname__
         with pytest.raises(TypeError, match=rf"{name}: path must be a directory path \(str or PathLike\), got int 3"):
             load(3)
@@ -230,6 +230,24 @@ def test_cli_unexpected_errors_keep_their_traceback(dirs, monkeypatch):
     monkeypatch.setattr(qspec_ext.cli, "load_pair", broken)
     with pytest.raises(ZeroDivisionError):
         qspec_main(["generate", "--target", target, "--draft", draft, "--prompt", "def"])
+
+
+def test_cli_type_errors_are_bugs_and_keep_their_traceback(dirs, monkeypatch):
+    """A TypeError inside the library is a bug, not a user error: no one-line report."""
+    target, draft = map(str, dirs)
+
+    def broken(*args, **kwargs):
+        raise TypeError("unsupported operand type(s)")
+
+    monkeypatch.setattr(qspec_ext.cli, "load_pair", broken)
+    with pytest.raises(TypeError, match="unsupported operand"):
+        qspec_main(["generate", "--target", target, "--draft", draft, "--prompt", "def"])
+
+
+def test_tree_with_zero_draft_tokens_is_refused(pair):
+    target, drafter = pair
+    with pytest.raises(ValueError, match="SpeculativeDecoder: num_draft_tokens must be >= 1, got 0"):
+        SpeculativeDecoder(target, drafter, 3, topk=2, num_draft_tokens=0)
 
 
 def test_cli_bad_sampling_value_is_one_line(dirs, capsys):

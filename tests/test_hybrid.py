@@ -225,7 +225,8 @@ def test_bad_input(monkeypatch):
 
 @pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5"])
 def test_cli_generate_with_a_hybrid_target(tmp_path, kind, capsys):
-    """qspec generate --hf-target on a directory holding a hybrid checkpoint."""
+    """qspec generate on a directory holding a hybrid checkpoint: the transformers backend, chosen
+    from its model_type."""
     import json
 
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -238,7 +239,7 @@ def test_cli_generate_with_a_hybrid_target(tmp_path, kind, capsys):
     make_model(kind).save_pretrained(target_dir)
     tokenizer.save(str(target_dir / "tokenizer.json"))
     make_drafter().save_pretrained(draft_dir)
-    assert qspec_main(["generate", "--target", str(target_dir), "--draft", str(draft_dir), "--hf-target",
+    assert qspec_main(["generate", "--target", str(target_dir), "--draft", str(draft_dir),
                        "--prompt", "def add", "-k", "3", "--max-new-tokens", "5", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert len(result["outputs"][0]["token_ids"]) == 5

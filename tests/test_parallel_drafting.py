@@ -77,7 +77,7 @@ def test_peagle_without_mask_hidden_or_mask_id_is_a_checkpoint_error(tmp_path):
 def test_chain_and_parallel_drafters_refuse_the_other_mode():
     chain, parallel = random_drafter(make_config()), random_drafter(parallel_config())
     for model in (chain, parallel):
-        model.setup_caches(1, 32)
+        model.setup(1, 32)
         model.prefill(*inputs(1, 4, model.config))
     with pytest.raises(ValueError, match="parallel drafting asked of a chain EAGLE-3 drafter"):
         chain.draft(3, parallel=True)
@@ -97,7 +97,7 @@ def test_parallel_draft_equals_a_full_recomputation(flags, k):
     model = random_drafter(config, use_custom_ops=False)
     sd = {key: v.float() if v.is_floating_point() else v for key, v in model.state_dict().items()}
     features, tokens, positions = inputs(2, 6, config)
-    model.setup_caches(2, 32)
+    model.setup(2, 32)
     model.prefill(features, tokens, positions)
     drafts, probs = model.draft(k, return_probs=True)
     for b in range(2):
@@ -116,7 +116,7 @@ def test_parallel_kernel_path_equals_reference_path():
     data = inputs(3, 5, config, pad=True)
     results = []
     for model in (fast, slow):
-        model.setup_caches(3, 32)
+        model.setup(3, 32)
         model.prefill(*data)
         results.append(model.draft(4, return_probs=True))
     assert torch.equal(results[0][0], results[1][0])
@@ -129,11 +129,11 @@ def test_mask_slots_are_overwritten_by_the_next_prefill():
     config = parallel_config()
     model, fresh = random_drafter(config), random_drafter(config)
     features, tokens, positions = inputs(1, 8, config)
-    model.setup_caches(1, 32)
+    model.setup(1, 32)
     model.prefill(features[:, :5], tokens[:, :5], positions[:, :5])
     model.draft(4)
     model.prefill(features[:, 5:], tokens[:, 5:], positions[:, 5:])
-    fresh.setup_caches(1, 32)
+    fresh.setup(1, 32)
     fresh.prefill(features, tokens, positions)
     assert torch.equal(model.draft(3)[0], fresh.draft(3)[0])
 
@@ -160,9 +160,9 @@ PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22, 23, 24, 25, 26, 27, 28], [3]]
 
 @pytest.mark.parametrize("k", range(1, 9))
 def test_greedy_parallel_drafting_is_lossless(target_dir, k):
-    from qspec_ext import Qwen3Target, SpeculativeDecoder, generate_plain
+    from qspec_ext import NativeTarget, SpeculativeDecoder, generate_plain
 
-    target = Qwen3Target.from_pretrained(target_dir, aux_layer_ids=[1, 3, 5])
+    target = NativeTarget.from_pretrained(target_dir, aux_layer_ids=[1, 3, 5])
     drafter = random_drafter(parallel_config(fc_norm=k % 2 == 0))
     plain = generate_plain(target, PROMPTS, 20)
     assert SpeculativeDecoder(target, drafter, k).generate(PROMPTS, 20).tokens == plain.tokens
@@ -174,7 +174,7 @@ def test_parallel_drafting_sampling_follows_the_target_distribution(target_dir, 
     chain's, so this is lossless whatever the drafts)."""
     from test_decode import chi_square_pvalue
 
-    from qspec_ext import Qwen3Target, SpeculativeDecoder
+    from qspec_ext import NativeTarget, SpeculativeDecoder
 
     vocab, prompt, n = 8, [1, 2, 3], 3000
     torch.manual_seed(4)
@@ -185,7 +185,7 @@ def test_parallel_drafting_sampling_follows_the_target_distribution(target_dir, 
     with torch.no_grad():
         hf.lm_head.weight.mul_(10.0)
     hf.save_pretrained(tmp_path)
-    target = Qwen3Target.from_pretrained(tmp_path, aux_layer_ids=[1, 3, 5])
+    target = NativeTarget.from_pretrained(tmp_path, aux_layer_ids=[1, 3, 5])
     drafter = random_drafter(dataclasses.replace(parallel_config(), vocab_size=vocab, draft_vocab_size=vocab,
                                                  mask_token_id=5))
     with torch.no_grad():

@@ -5,7 +5,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from qspec_ext import Eagle3Drafter, Qwen3Target  # noqa: E402
+from qspec_ext import Eagle3Drafter, NativeTarget  # noqa: E402
 from qspec_ext.demo import DEMO_DIR, run_demo  # noqa: E402
 from qspec_ext.rope import rope_cos_sin_cache  # noqa: E402
 from qspec_ext.train import TrainConfig, cod_nodes, parallel_forward, train_drafter, ttt_loss, ttt_step  # noqa: E402
@@ -67,7 +67,7 @@ def test_train_drafter_lowers_the_loss_and_writes_a_loadable_checkpoint(tiny_tar
     drafter, history = trained
     assert_loss_falls(history)
     assert len(history) == 30 and all(len(h[1]) == 3 for h in history)
-    target = Qwen3Target.from_pretrained(tiny_target / "target", aux_layer_ids=drafter.config.aux_layer_ids)
+    target = NativeTarget.from_pretrained(tiny_target / "target", aux_layer_ids=drafter.config.aux_layer_ids)
     loaded = Eagle3Drafter.from_pretrained(tiny_target / "draft", target=target)
     assert loaded.config.draft_vocab_size == 120 and loaded.config.aux_layer_ids == [2, 4, 5]
     assert int(loaded.t2d.sum()) == 120
@@ -82,7 +82,7 @@ def test_train_drafter_reads_the_aux_layers_asked_for(tiny_target, tmp_path):
     hidden states equals the built-in target + drafter prefill over the features it captures."""
     config = TrainConfig(steps=2, ttt_steps=1, draft_vocab=120, seq_len=48, batch_size=2, seed=0, aux_layer_ids=[1, 7])
     train_drafter(tiny_target / "target", [tiny_target / "code.py"], tmp_path / "draft", config, progress=False)
-    target = Qwen3Target.from_pretrained(tiny_target / "target", aux_layer_ids=[1, 7])
+    target = NativeTarget.from_pretrained(tiny_target / "target", aux_layer_ids=[1, 7])
     drafter = Eagle3Drafter.from_pretrained(tmp_path / "draft", target=target)
     assert drafter.config.aux_layer_ids == [1, 7] and drafter.fc.weight.shape == (64, 2 * 64)
     hf = transformers.Qwen3ForCausalLM.from_pretrained(tiny_target / "target").eval()
@@ -96,7 +96,7 @@ def test_train_drafter_reads_the_aux_layers_asked_for(tiny_target, tmp_path):
         target.setup(1, 32)
         target(ids, torch.arange(10)[None])
         captured = target.capture.gather(torch.arange(9), "none", None, drafter.config.rms_norm_eps)
-    drafter.setup_caches(1, 32)
+    drafter.setup(1, 32)
     served = drafter.prefill(captured[None], ids[:, 1:], torch.arange(9)[None])
     torch.testing.assert_close(served, trained_logits, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match=r"train_drafter: aux_layer_ids must be distinct layer ids in \[0, 8\) of the "
@@ -113,7 +113,7 @@ def test_cli_train_drafter_writes_the_drafter_it_was_asked_for(tiny_target, tmp_
                  "--out", str(out), "--steps", "2", "--ttt-steps", "2", "--draft-vocab", "100", "--seq-len", "32",
                  "--batch-size", "2", "--aux-layers", "3", "6", "--device", "cpu"]) == 0
     assert f"wrote {out}" in capsys.readouterr().out
-    target = Qwen3Target.from_pretrained(tiny_target / "target", aux_layer_ids=[3, 6])
+    target = NativeTarget.from_pretrained(tiny_target / "target", aux_layer_ids=[3, 6])
     drafter = Eagle3Drafter.from_pretrained(out, target=target)
     assert drafter.config.aux_layer_ids == [3, 6] and drafter.config.draft_vocab_size == 100
     assert drafter.config.speculative_tokens == 2
@@ -143,7 +143,7 @@ def test_ttt_step_one_is_the_drafters_forward(tiny_target, trained):
     """The training forward and the inference drafter compute the same first step, and the
     step's accuracy is the agreement of their argmaxes with the target's."""
     hf = transformers.Qwen3ForCausalLM.from_pretrained(tiny_target / "target").eval()
-    target = Qwen3Target.from_pretrained(tiny_target / "target", aux_layer_ids=[2, 4, 5])
+    target = NativeTarget.from_pretrained(tiny_target / "target", aux_layer_ids=[2, 4, 5])
     loaded = Eagle3Drafter.from_pretrained(tiny_target / "draft", target=target)
     ids = torch.randint(0, hf.config.vocab_size, (2, 12))
     with torch.no_grad():
@@ -153,7 +153,7 @@ def test_ttt_step_one_is_the_drafters_forward(tiny_target, trained):
         x = loaded.fc(features[:, :11])
         logits, _, _ = ttt_step(loaded, x, ids[:, 1:], torch.arange(11), cos_sin, [[] for _ in loaded.layers])
         loss, accuracies = ttt_loss(loaded, ids, features, out.logits, 3, cos_sin)
-    loaded.setup_caches(2, 32)
+    loaded.setup(2, 32)
     prefill = loaded.prefill(features[:, :11], ids[:, 1:], torch.arange(11).expand(2, 11))
     torch.testing.assert_close(prefill, logits, atol=1e-4, rtol=1e-4)
     draft_ids = loaded.t2d.nonzero().flatten()
@@ -174,7 +174,7 @@ def test_ttt_step_two_is_the_drafters_second_step(tiny_target, trained):
     """TTT step 2's loss is what a draft step after prefilling pairs 0..t sees at every t (x_next
     of pair t, the token two ahead, position t + 1), scored against the target's row t + 2."""
     hf = transformers.Qwen3ForCausalLM.from_pretrained(tiny_target / "target").eval()
-    target = Qwen3Target.from_pretrained(tiny_target / "target", aux_layer_ids=[2, 4, 5])
+    target = NativeTarget.from_pretrained(tiny_target / "target", aux_layer_ids=[2, 4, 5])
     loaded = Eagle3Drafter.from_pretrained(tiny_target / "draft", target=target)
     ids = torch.randint(0, hf.config.vocab_size, (1, 12))
     draft_ids = loaded.t2d.nonzero().flatten()
@@ -185,7 +185,7 @@ def test_ttt_step_two_is_the_drafters_second_step(tiny_target, trained):
         cos_sin = rope_cos_sin_cache(32, loaded.config.head_dim, loaded.config.rope_theta)
         two = ttt_loss(loaded, ids, features, out.logits, 2, cos_sin)[0] - ttt_loss(loaded, ids, features, out.logits, 1, cos_sin)[0]
         for t in range(10):  # pairs whose token two ahead exists
-            loaded.setup_caches(1, 32)
+            loaded.setup(1, 32)
             loaded.prefill(features[:, : t + 1], ids[:, 1 : t + 2], torch.arange(t + 1)[None])
             step, _ = loaded(loaded.state.hidden[:, None], ids[:, t + 2 : t + 3],
                                            torch.tensor([[t + 1]]), from_features=False)
@@ -226,7 +226,7 @@ def test_parallel_training_forward_is_the_parallel_draft(tiny_target, trained_pa
         anchor, depth = cod_nodes(11, 4, 1.0, 1.0, torch.Generator())  # every anchor at every depth
         cos_sin = rope_cos_sin_cache(32, c.head_dim, c.rope_theta)
         logits = parallel_forward(drafter, ids, features, anchor, depth, cos_sin)
-        drafter.setup_caches(1, 32)
+        drafter.setup(1, 32)
         drafter.prefill(features[:, :7], ids[:, 1:8], torch.arange(7)[None])
         drafted = drafter.draft_parallel(4)
     rows = (anchor == 6).nonzero().flatten()
@@ -302,7 +302,7 @@ def test_compiled_ttt_loss_equals_the_eager_one(tiny_target, trained):
     """TrainConfig.compile runs ttt_loss as one graph: same loss, accuracies and gradients
     (the drafter: the one the `trained` fixture wrote)."""
     hf = transformers.Qwen3ForCausalLM.from_pretrained(tiny_target / "target").eval()
-    drafter = Eagle3Drafter.from_pretrained(tiny_target / "draft", target=Qwen3Target.from_pretrained(tiny_target / "target"))
+    drafter = Eagle3Drafter.from_pretrained(tiny_target / "draft", target=NativeTarget.from_pretrained(tiny_target / "target"))
     drafter.embed_tokens.weight.requires_grad_(False)
     ids = torch.randint(0, hf.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -343,7 +343,7 @@ def test_shipped_pair_accepts_drafts():
     from qspec_ext import SpeculativeDecoder
     from qspec_ext.demo import demo_prompts
 
-    target = Qwen3Target.from_pretrained(DEMO_DIR / "target", dtype=torch.float32)
+    target = NativeTarget.from_pretrained(DEMO_DIR / "target", dtype=torch.float32)
     drafter = Eagle3Drafter.from_pretrained(DEMO_DIR / "draft", target=target, dtype=torch.float32)
     tokenizer = Tokenizer.from_file(str(DEMO_DIR / "target" / "tokenizer.json"))
     prompts = [tokenizer.encode(t).ids for t in demo_prompts(2)]
@@ -378,7 +378,7 @@ def test_shipped_parallel_drafter_drafts_in_parallel_and_accepts():
     from qspec_ext import SpeculativeDecoder
     from qspec_ext.demo import demo_prompts
 
-    target = Qwen3Target.from_pretrained(DEMO_DIR / "target", dtype=torch.float32)
+    target = NativeTarget.from_pretrained(DEMO_DIR / "target", dtype=torch.float32)
     drafter = Eagle3Drafter.from_pretrained(DEMO_DIR / "draft-parallel", target=target, dtype=torch.float32)
     assert drafter.config.parallel_drafting
     tokenizer = Tokenizer.from_file(str(DEMO_DIR / "target" / "tokenizer.json"))
@@ -394,7 +394,7 @@ def test_shipped_pair_loads_in_qspec_ext_and_transformers():
     hf = transformers.AutoModelForCausalLM.from_pretrained(DEMO_DIR / "target", dtype=torch.float32).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(DEMO_DIR / "target")
     ids = torch.tensor([tokenizer.encode("import os\n\ndef main():\n")])
-    target = Qwen3Target.from_pretrained(DEMO_DIR / "target", dtype=torch.float32)
+    target = NativeTarget.from_pretrained(DEMO_DIR / "target", dtype=torch.float32)
     target.setup(1, 64)
     ours = target(ids, torch.arange(ids.shape[1])[None])
     with torch.no_grad():

@@ -8,7 +8,7 @@ transformers = pytest.importorskip("transformers")
 
 from test_decode import AUX, PROMPTS, VOCAB, law_pvalue, make_drafter, make_hf, target_law  # noqa: E402
 
-from qspec_ext import HFTarget, Qwen3Target, SpeculativeDecoder, generate_plain  # noqa: E402
+from qspec_ext import HFTarget, NativeTarget, SpeculativeDecoder, generate_plain  # noqa: E402
 from qspec_ext.models.layers import tree_ancestors  # noqa: E402
 
 
@@ -26,7 +26,7 @@ def prefilled(drafter, batch=2, length=7, seed=0):
     tokens = torch.randint(0, VOCAB, (batch, length), generator=g)
     positions = torch.arange(length).expand(batch, length).clone()
     positions[1, length - 2 :] = -1  # a shorter request
-    drafter.setup_caches(batch, 64)
+    drafter.setup(batch, 64)
     drafter.prefill(features, tokens, positions)
     return features, tokens, positions
 
@@ -52,7 +52,7 @@ def test_draft_tree_is_the_best_nodes_by_cumulative_log_probability(depth, topk,
         length = int((positions[b] >= 0).sum())
         # Pairs of the context, then a path of draft tokens: the drafter over the whole sequence.
         def path_logits(path_tokens):
-            drafter.setup_caches(1, 64)
+            drafter.setup(1, 64)
             logits = drafter.prefill(features[b : b + 1, :length], tokens[b : b + 1, :length],
                                      positions[b : b + 1, :length])
             row, hidden = logits[0, -1].float(), drafter.state.hidden
@@ -86,7 +86,7 @@ def test_draft_tree_is_the_best_nodes_by_cumulative_log_probability(depth, topk,
 def test_tree_forward_of_the_target_equals_running_each_path(target_dir):
     """Row j of one tree forward == the target's logits after the path to node j, each path
     run as an ordinary sequence; and after keep_path the cache continues the accepted path."""
-    target = Qwen3Target.from_pretrained(target_dir, aux_layer_ids=AUX)
+    target = NativeTarget.from_pretrained(target_dir, aux_layer_ids=AUX)
     prompt = [5, 6, 7, 8, 9, 10]
     parents = torch.tensor([[0, 0, 1, 1, 3, 2]])
     drafts = torch.tensor([[11, 12, 13, 14, 15, 16]])
@@ -120,7 +120,7 @@ def test_tree_forward_of_the_target_equals_running_each_path(target_dir):
 @pytest.mark.parametrize("depth,topk,nodes", [(1, 2, 2), (3, 2, 6), (4, 3, None), (5, 4, 24), (2, 8, 40), (4, 2, 2)])
 @pytest.mark.parametrize("batch", [1, 4])
 def test_greedy_tree_decoding_is_lossless(target_dir, depth, topk, nodes, batch):
-    target = Qwen3Target.from_pretrained(target_dir, aux_layer_ids=AUX)
+    target = NativeTarget.from_pretrained(target_dir, aux_layer_ids=AUX)
     prompts = PROMPTS[:batch]
     plain = generate_plain(target, prompts, 20)
     drafter = make_drafter(draft_vocab=60 if topk % 2 else None)
@@ -134,7 +134,7 @@ def test_tree_sampling_follows_the_target_distribution(tmp_path, temperature, to
     vocab, prompt, n, length = 6, [1, 2, 3], 3000, 3
     hf = make_hf(vocab=vocab, seed=4, scale=4.0)
     hf.save_pretrained(tmp_path)
-    target = Qwen3Target.from_pretrained(tmp_path, aux_layer_ids=AUX)
+    target = NativeTarget.from_pretrained(tmp_path, aux_layer_ids=AUX)
     law = target_law(hf, prompt, vocab, length, temperature, top_k, top_p)
     spec = SpeculativeDecoder(target, make_drafter(vocab=vocab), 2, topk=3, num_draft_tokens=8).generate(
         [prompt] * n, length, temperature=temperature, top_k=top_k, top_p=top_p, seed=3)
@@ -143,7 +143,7 @@ def test_tree_sampling_follows_the_target_distribution(tmp_path, temperature, to
 
 
 def test_tree_errors(target_dir):
-    target = Qwen3Target.from_pretrained(target_dir, aux_layer_ids=AUX)
+    target = NativeTarget.from_pretrained(target_dir, aux_layer_ids=AUX)
     hf = transformers.Qwen3ForCausalLM.from_pretrained(target_dir).eval()
     with pytest.raises(ValueError, match="tree drafting \\(topk > 1\\) needs a target that runs tree attention"):
         SpeculativeDecoder(HFTarget(hf, AUX), make_drafter(), 3, topk=2)

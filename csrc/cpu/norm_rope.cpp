@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include "cpu_common.h"
+#include "norm_rope_entry.h"
 #include "ops.h"
 
 namespace qspec_ext {
@@ -166,31 +167,21 @@ void check_distinct_slots(std::string_view op, const at::Tensor& slot_mapping) {
               repeated == slots.end() ? 0 : *repeated, " more than once");
 }
 
-void check_cpu(std::string_view op, std::string_view name, const at::Tensor& t) {
-  QSPEC_CHECK(t.device().is_cpu(), op, name, "must be a CPU tensor for the CPU kernel, got ", t.device());
-}
-
 }  // namespace
 
-at::Tensor rms_norm_cpu(const at::Tensor& input, const at::Tensor& weight, double eps) {
-  const at::Tensor rows = check_rms_norm(input, weight);
-  at::Tensor out = at::empty(input.sizes(), input.options().memory_format(at::MemoryFormat::Contiguous));
-  if (input.numel() == 0) return out;
+void rms_norm_cpu(const at::Tensor& rows, const at::Tensor& weight, double eps, at::Tensor& out) {
   const at::Tensor w = weight_as_float(weight);
-  QSPEC_DISPATCH_ACTIVATION(input.scalar_type(), "rms_norm_cpu", [&] {
+  QSPEC_DISPATCH_ACTIVATION(rows.scalar_type(), "rms_norm_cpu", [&] {
     const RowNormParams<scalar_t> p{rows.const_data_ptr<scalar_t>(), rows.stride(0), out.data_ptr<scalar_t>(),
                                     rows.size(1), nullptr, 0, w.const_data_ptr<float>(), rows.size(1), static_cast<float>(eps)};
     at::parallel_for(0, rows.size(0), grain_for(rows.size(1)),
                      [&](int64_t b, int64_t e) { rms_norm_rows(p, b, e); });
   });
-  return out;
 }
 
-void fused_add_rms_norm_cpu(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight, double eps) {
-  const auto [in_rows, res_rows] = check_fused_add_rms_norm(input, residual, weight);
-  if (input.numel() == 0) return;
+void fused_add_rms_norm_cpu(at::Tensor& in_rows, at::Tensor& res_rows, const at::Tensor& weight, double eps) {
   const at::Tensor w = weight_as_float(weight);
-  QSPEC_DISPATCH_ACTIVATION(input.scalar_type(), "fused_add_rms_norm_cpu", [&] {
+  QSPEC_DISPATCH_ACTIVATION(in_rows.scalar_type(), "fused_add_rms_norm_cpu", [&] {
     scalar_t* in = in_rows.data_ptr<scalar_t>();
     const RowNormParams<scalar_t> p{in, in_rows.stride(0), in, in_rows.stride(0), res_rows.data_ptr<scalar_t>(),
                                     res_rows.stride(0), w.const_data_ptr<float>(), in_rows.size(1), static_cast<float>(eps)};
@@ -199,15 +190,10 @@ void fused_add_rms_norm_cpu(at::Tensor& input, at::Tensor& residual, const at::T
   });
 }
 
-std::tuple<at::Tensor, at::Tensor> eagle3_input_norm_cpu(const at::Tensor& embeds, const at::Tensor& hidden,
-                                                         const at::Tensor& embed_weight,
-                                                         const at::Tensor& hidden_weight, double eps,
-                                                         bool norm_before_residual) {
-  check_eagle3_input_norm(embeds, hidden, embed_weight, hidden_weight);
+void eagle3_input_norm_cpu(const at::Tensor& embeds, const at::Tensor& hidden, const at::Tensor& embed_weight,
+                           const at::Tensor& hidden_weight, double eps, bool norm_before_residual, at::Tensor& x,
+                           at::Tensor& residual) {
   const int64_t rows = embeds.size(0), width = embeds.size(1);
-  at::Tensor x = at::empty({rows, 2 * width}, embeds.options());
-  at::Tensor residual = at::empty({rows, width}, embeds.options());
-  if (rows == 0 || width == 0) return {x, residual};
   const at::Tensor we = weight_as_float(embed_weight), wh = weight_as_float(hidden_weight);
   QSPEC_DISPATCH_ACTIVATION(embeds.scalar_type(), "eagle3_input_norm_cpu", [&] {
     scalar_t* out = x.data_ptr<scalar_t>();
@@ -225,18 +211,15 @@ std::tuple<at::Tensor, at::Tensor> eagle3_input_norm_cpu(const at::Tensor& embed
         std::copy_n(res_src + r * res_stride, width, residual.data_ptr<scalar_t>() + r * width);
     });
   });
-  return {x, residual};
 }
 
 void qk_norm_rope_cpu(at::Tensor& qkv, const std::optional<at::Tensor>& q_weight,
                       const std::optional<at::Tensor>& k_weight, const at::Tensor& cos_sin_cache,
-                      const at::Tensor& positions, int64_t num_heads_q, int64_t num_heads_kv, int64_t head_dim,
-                      double eps, bool is_neox, const std::optional<at::Tensor>& k_cache,
-                      const std::optional<at::Tensor>& v_cache, const std::optional<at::Tensor>& slot_mapping) {
+                      const at::Tensor& positions, double eps, bool is_neox, const std::optional<at::Tensor>& k_cache,
+                      const std::optional<at::Tensor>& v_cache, const std::optional<at::Tensor>& slot_mapping,
+                      const QKNormRopeShape& s) {
   constexpr std::string_view op = "qk_norm_rope_";
-  check_cpu(op, "qkv", qkv);
-  const QKNormRopeShape s = check_qk_norm_rope(qkv, q_weight, k_weight, cos_sin_cache, positions, num_heads_q,
-                                               num_heads_kv, head_dim, k_cache, v_cache, slot_mapping);
+  // Index checks read the values: free on the host, a sync on CUDA (which checks in the kernel).
   check_index_range(op, "positions", positions, 0, s.max_position, "rows of cos_sin_cache");
   if (s.has_cache) {
     check_index_range(op, "slot_mapping", *slot_mapping, -1, s.num_slots, "cache slots, -1 = skip");
@@ -264,22 +247,23 @@ void qk_norm_rope_cpu(at::Tensor& qkv, const std::optional<at::Tensor>& q_weight
       p.v_cache_strides[0] = v_cache->stride(0);
       p.v_cache_strides[1] = v_cache->stride(1);
     }
-    p.num_heads_q = static_cast<int>(num_heads_q);
-    p.num_heads_kv = static_cast<int>(num_heads_kv);
-    p.head_dim = static_cast<int>(head_dim);
+    p.num_heads_q = static_cast<int>(s.num_heads_q);
+    p.num_heads_kv = static_cast<int>(s.num_heads_kv);
+    p.head_dim = static_cast<int>(s.head_dim);
     p.rot_dim = static_cast<int>(s.rot_dim);
     p.eps = static_cast<float>(eps);
     p.is_neox = is_neox;
-    at::parallel_for(0, s.num_tokens, grain_for((num_heads_q + 2 * num_heads_kv) * head_dim),
+    at::parallel_for(0, s.num_tokens, grain_for((s.num_heads_q + 2 * s.num_heads_kv) * s.head_dim),
                      [&](int64_t b, int64_t e) { qk_norm_rope_rows(p, b, e); });
   });
 }
 
 TORCH_LIBRARY_IMPL(qspec_ext, CPU, m) {
-  m.impl("rms_norm", &rms_norm_cpu);
-  m.impl("fused_add_rms_norm_", &fused_add_rms_norm_cpu);
-  m.impl("eagle3_input_norm", &eagle3_input_norm_cpu);
-  m.impl("qk_norm_rope_", &qk_norm_rope_cpu);
+  constexpr auto cpu = c10::DeviceType::CPU;
+  m.impl("rms_norm", &rms_norm_entry<cpu, rms_norm_cpu>);
+  m.impl("fused_add_rms_norm_", &fused_add_rms_norm_entry<cpu, fused_add_rms_norm_cpu>);
+  m.impl("eagle3_input_norm", &eagle3_input_norm_entry<cpu, eagle3_input_norm_cpu>);
+  m.impl("qk_norm_rope_", &qk_norm_rope_entry<cpu, qk_norm_rope_cpu>);
 }
 
 }  // namespace qspec_ext

@@ -14,6 +14,7 @@
 
 #include "checks.h"
 #include "common.cuh"
+#include "norm_rope_entry.h"
 #include "ops.h"
 #include "qspec_ext/norm_rope.h"
 
@@ -221,22 +222,13 @@ __global__ void __launch_bounds__(kWarpsPerBlock* kWarpSize) qk_norm_rope_kernel
   }
 }
 
-void check_cuda(std::string_view op, std::string_view name, const at::Tensor& t) {
-  QSPEC_CHECK(t.is_cuda(), op, name, "must be a CUDA tensor for the CUDA kernel, got ", t.device());
-}
-
 }  // namespace
 
-at::Tensor rms_norm_cuda(const at::Tensor& input, const at::Tensor& weight, double eps) {
-  constexpr std::string_view op = "rms_norm";
-  check_cuda(op, "input", input);
-  const at::Tensor rows = check_rms_norm(input, weight);
-  at::Tensor out = at::empty(input.sizes(), input.options().memory_format(at::MemoryFormat::Contiguous));
-  if (input.numel() == 0) return out;
-  const c10::cuda::CUDAGuard guard(input.device());
+void rms_norm_cuda(const at::Tensor& rows, const at::Tensor& weight, double eps, at::Tensor& out) {
+  const c10::cuda::CUDAGuard guard(rows.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t width = rows.size(1);
-  QSPEC_DISPATCH_ACTIVATION(input.scalar_type(), "rms_norm_cuda", [&] {
+  QSPEC_DISPATCH_ACTIVATION(rows.scalar_type(), "rms_norm_cuda", [&] {
     const int vec = pick_vec<scalar_t>(width, {{rows.const_data_ptr(), rows.stride(0)}, {out.data_ptr(), width}});
     with_vec<scalar_t>(vec, [&](auto V) {
       rms_norm_kernel<scalar_t, decltype(V)::value><<<rows.size(0), row_threads(width, V), 0, stream>>>(
@@ -245,18 +237,13 @@ at::Tensor rms_norm_cuda(const at::Tensor& input, const at::Tensor& weight, doub
     });
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return out;
 }
 
-void fused_add_rms_norm_cuda(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight, double eps) {
-  constexpr std::string_view op = "fused_add_rms_norm_";
-  check_cuda(op, "input", input);
-  const auto [in_rows, res_rows] = check_fused_add_rms_norm(input, residual, weight);
-  if (input.numel() == 0) return;
-  const c10::cuda::CUDAGuard guard(input.device());
+void fused_add_rms_norm_cuda(at::Tensor& in_rows, at::Tensor& res_rows, const at::Tensor& weight, double eps) {
+  const c10::cuda::CUDAGuard guard(in_rows.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t width = in_rows.size(1);
-  QSPEC_DISPATCH_ACTIVATION(input.scalar_type(), "fused_add_rms_norm_cuda", [&] {
+  QSPEC_DISPATCH_ACTIVATION(in_rows.scalar_type(), "fused_add_rms_norm_cuda", [&] {
     const int vec = pick_vec<scalar_t>(
         width, {{in_rows.data_ptr(), in_rows.stride(0)}, {res_rows.data_ptr(), res_rows.stride(0)}});
     with_vec<scalar_t>(vec, [&](auto V) {
@@ -269,16 +256,10 @@ void fused_add_rms_norm_cuda(at::Tensor& input, at::Tensor& residual, const at::
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-std::tuple<at::Tensor, at::Tensor> eagle3_input_norm_cuda(const at::Tensor& embeds, const at::Tensor& hidden,
-                                                          const at::Tensor& embed_weight,
-                                                          const at::Tensor& hidden_weight, double eps,
-                                                          bool norm_before_residual) {
-  check_cuda("eagle3_input_norm", "embeds", embeds);
-  check_eagle3_input_norm(embeds, hidden, embed_weight, hidden_weight);
+void eagle3_input_norm_cuda(const at::Tensor& embeds, const at::Tensor& hidden, const at::Tensor& embed_weight,
+                            const at::Tensor& hidden_weight, double eps, bool norm_before_residual, at::Tensor& x,
+                            at::Tensor& residual) {
   const int64_t rows = embeds.size(0), width = embeds.size(1);
-  at::Tensor x = at::empty({rows, 2 * width}, embeds.options());
-  at::Tensor residual = at::empty({rows, width}, embeds.options());
-  if (rows == 0 || width == 0) return {x, residual};
   const c10::cuda::CUDAGuard guard(embeds.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   QSPEC_DISPATCH_ACTIVATION(embeds.scalar_type(), "eagle3_input_norm_cuda", [&] {
@@ -296,19 +277,15 @@ std::tuple<at::Tensor, at::Tensor> eagle3_input_norm_cuda(const at::Tensor& embe
     });
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return {x, residual};
 }
 
 void qk_norm_rope_cuda(at::Tensor& qkv, const std::optional<at::Tensor>& q_weight,
                        const std::optional<at::Tensor>& k_weight, const at::Tensor& cos_sin_cache,
-                       const at::Tensor& positions, int64_t num_heads_q, int64_t num_heads_kv, int64_t head_dim,
-                       double eps, bool is_neox, const std::optional<at::Tensor>& k_cache,
-                       const std::optional<at::Tensor>& v_cache, const std::optional<at::Tensor>& slot_mapping) {
-  constexpr std::string_view op = "qk_norm_rope_";
-  check_cuda(op, "qkv", qkv);
-  const QKNormRopeShape s = check_qk_norm_rope(qkv, q_weight, k_weight, cos_sin_cache, positions, num_heads_q,
-                                               num_heads_kv, head_dim, k_cache, v_cache, slot_mapping);
+                       const at::Tensor& positions, double eps, bool is_neox, const std::optional<at::Tensor>& k_cache,
+                       const std::optional<at::Tensor>& v_cache, const std::optional<at::Tensor>& slot_mapping,
+                       const QKNormRopeShape& s) {
   if (s.num_tokens == 0) return;
+  const int64_t num_heads_q = s.num_heads_q, num_heads_kv = s.num_heads_kv, head_dim = s.head_dim;
   const c10::cuda::CUDAGuard guard(qkv.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t heads_per_token = num_heads_q + num_heads_kv + (s.has_cache ? num_heads_kv : 0);
@@ -356,10 +333,11 @@ void qk_norm_rope_cuda(at::Tensor& qkv, const std::optional<at::Tensor>& q_weigh
 }
 
 TORCH_LIBRARY_IMPL(qspec_ext, CUDA, m) {
-  m.impl("rms_norm", &rms_norm_cuda);
-  m.impl("fused_add_rms_norm_", &fused_add_rms_norm_cuda);
-  m.impl("eagle3_input_norm", &eagle3_input_norm_cuda);
-  m.impl("qk_norm_rope_", &qk_norm_rope_cuda);
+  constexpr auto cuda = c10::DeviceType::CUDA;
+  m.impl("rms_norm", &rms_norm_entry<cuda, rms_norm_cuda>);
+  m.impl("fused_add_rms_norm_", &fused_add_rms_norm_entry<cuda, fused_add_rms_norm_cuda>);
+  m.impl("eagle3_input_norm", &eagle3_input_norm_entry<cuda, eagle3_input_norm_cuda>);
+  m.impl("qk_norm_rope_", &qk_norm_rope_entry<cuda, qk_norm_rope_cuda>);
 }
 
 }  // namespace qspec_ext

@@ -9,7 +9,9 @@ import torch
 from . import _C, ops, reference
 from .aux import AuxHiddenCapture, default_aux_layer_ids
 from .decode import GenerateResult, SpecDecodeStats, SpeculativeDecoder, generate_plain
-from .models import Eagle3Config, Eagle3Drafter, HFTarget, Qwen3Target
+from .models import Eagle3Config, Eagle3Drafter
+from .pair import load_pair
+from .targets import Capabilities, HFTarget, NativeTarget, Target, load_target
 from .ops import (
     eagle3_input_norm,
     fused_add_rms_norm_,
@@ -33,11 +35,15 @@ __version__ = _C.version
 
 __all__ = [
     "AuxHiddenCapture",
+    "Capabilities",
+    "Target",
+    "load_pair",
+    "load_target",
     "Eagle3Config",
     "Eagle3Drafter",
     "GenerateResult",
     "HFTarget",
-    "Qwen3Target",
+    "NativeTarget",
     "SpecDecodeStats",
     "SpeculativeDecoder",
     "generate_plain",

@@ -79,16 +79,29 @@ def check_prompts(where: str, prompts, vocab_size: int) -> list[list[int]]:
     return result
 
 
-def check_sampling(where: str, vocab_size: int, max_new_tokens, temperature, top_k, top_p, eos_token_id, seed) -> None:
+def check_stop_ids(where: str, eos_token_id, vocab_size: int) -> list[int]:
+    """None, one id or a sequence of ids, each in [0, vocab_size): the ids that end a request."""
+    if eos_token_id is None:
+        return []
+    if isinstance(eos_token_id, torch.Tensor):
+        eos_token_id = eos_token_id.tolist()
+    ids = [eos_token_id] if _is_int(eos_token_id) else eos_token_id
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+        raise TypeError(f"{where}: eos_token_id must be an int, a sequence of ints or None, got {_describe(eos_token_id)}")
+    return sorted({check_int(where, "eos_token_id", i, 0, vocab_size - 1) for i in ids})
+
+
+def check_sampling(where: str, vocab_size: int, max_new_tokens, temperature, top_k, top_p, eos_token_id,
+                   seed) -> list[int]:
+    """Checks the sampling arguments of a generate call; returns the stop ids."""
     check_int(where, "max_new_tokens", max_new_tokens, 0)
     check_float(where, "temperature", temperature, 0.0)
     if top_k is not None:
         check_int(where, "top_k", top_k, 1)
     if top_p is not None:
         check_float(where, "top_p", top_p, 0.0, 1.0, low_open=True)
-    if eos_token_id is not None:
-        check_int(where, "eos_token_id", eos_token_id, 0, vocab_size - 1)
     check_int(where, "seed", seed, 0, 2**40)  # seeds of the requests are seed * 1_000_003 + index, in int64
+    return check_stop_ids(where, eos_token_id, vocab_size)
 
 
 def check_pair(target, drafter) -> None:

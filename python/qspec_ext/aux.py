@@ -39,8 +39,9 @@ class AuxHiddenCapture:
     """References to the aux-layer features of the latest target forward.
 
     A target with a fused residual (hidden and residual kept apart) calls
-    ``capture.record(L, hidden, residual)`` at the top of each layer; the gather then adds
-    them. A plain HF model can be hooked with :meth:`attach`. Tensors are kept by reference,
+    ``capture.store([(L, hidden, residual), ...])`` once per forward with the streams entering
+    its aux layers; the gather then adds each pair. A plain HF model is hooked with
+    :meth:`attach`, whose hooks call :meth:`record` per layer. Tensors are kept by reference,
     as ``[tokens, H]`` views; the gather is the only pass over them.
     """
 

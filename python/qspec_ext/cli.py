@@ -7,55 +7,19 @@ import statistics
 import sys
 from pathlib import Path
 
-import torch
-
 from functools import partial
 
+import torch
+
 from .decode import SpeculativeDecoder, generate_plain, in_batches
-from .models import Eagle3Drafter, HFTarget, Qwen3Target
 from .models.checkpoint import CheckpointError, read_config, resolve_checkpoint
+from .pair import DTYPES, load_pair
+from .text import chat_ids, load_tokenizer, stop_ids
 
 # What a user can fix: printed as one line (`qspec <command>: error: ...`, exit 2), with the
-# traceback only under --debug. Anything else is a bug and keeps its traceback.
-EXPECTED_ERRORS = (CheckpointError, ValueError, TypeError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
+# traceback only under --debug. Anything else (a TypeError included) is a bug and keeps its traceback.
+EXPECTED_ERRORS = (CheckpointError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
                    PermissionError)
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def load_pair(target_dir: str, draft_dir: str, device: str, dtype: str, hf_target: bool):
-    """The target (with the drafter's aux layers) and the drafter."""
-    draft_config = read_config(Path(draft_dir))
-    aux_ids = draft_config.get("eagle_aux_hidden_state_layer_ids")
-    torch_dtype = DTYPES[dtype]
-    if hf_target:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch_dtype).to(device)
-        target = HFTarget(model, aux_ids)
-    else:
-        target = Qwen3Target.from_pretrained(target_dir, dtype=torch_dtype, device=device, aux_layer_ids=aux_ids)
-    drafter = Eagle3Drafter.from_pretrained(draft_dir, dtype=torch_dtype, device=device, target=target)
-    return target, drafter
-
-
-def load_tokenizer(target_dir: str):
-    from tokenizers import Tokenizer
-
-    path = Path(target_dir) / "tokenizer.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: the target directory needs a tokenizer.json")
-    return Tokenizer.from_file(str(path))
-
-
-def eos_token_id(target_dir: str) -> int | None:
-    for name in ("generation_config.json", "config.json"):
-        path = Path(target_dir) / name
-        if path.is_file():
-            eos = json.loads(path.read_text()).get("eos_token_id")
-            if eos is not None:
-                return eos[0] if isinstance(eos, list) else int(eos)
-    return None
 
 
 def resolve_models(args) -> None:
@@ -107,23 +71,12 @@ def read_prompts(args) -> list[str]:
     return prompts
 
 
-def encode_prompts(args, tokenizer, texts: list[str]) -> tuple[list[list[int]], int | None]:
-    """Token ids of the prompts and the EOS to stop at. --chat wraps each prompt as one user turn
-    with the target tokenizer's chat template (transformers AutoTokenizer) and stops at its EOS."""
+def encode_prompts(args, tokenizer, texts: list[str]) -> tuple[list[list[int]], list[int]]:
+    """Token ids of the prompts and the ids to stop at. --chat wraps each prompt as one user turn
+    in the target's chat template."""
     if not args.chat:
-        return [tokenizer.encode(t).ids for t in texts], eos_token_id(args.target)
-    from transformers import AutoTokenizer
-
-    chat = AutoTokenizer.from_pretrained(args.target)
-    if not chat.chat_template:
-        raise ValueError(f"--chat: the tokenizer in {args.target} has no chat template")
-    ids = []
-    for text in texts:
-        formatted = chat.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                             tokenize=False)
-        ids.append(chat(formatted, add_special_tokens=False)["input_ids"])
-    eos = chat.eos_token_id
-    return ids, eos if eos is not None else eos_token_id(args.target)
+        return [tokenizer.encode(t).ids for t in texts], stop_ids(args.target)
+    return [chat_ids(args.target, [{"role": "user", "content": t}]) for t in texts], stop_ids(args.target)
 
 
 def stats_table(stats) -> str:
@@ -155,8 +108,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="fp32", choices=list(DTYPES))
-    p.add_argument("--hf-target", action="store_true",
-                   help="run the target with transformers (any causal LM, hybrid Qwen3-Next / Qwen3.5 included)")
+    p.add_argument("--backend", choices=["auto", "native", "transformers"], default="auto",
+                   help="the target's implementation: native (qspec_ext ops; dense Qwen3), transformers (any causal "
+                        "LM, hybrid Qwen3-Next / Qwen3.5 included), auto: native where it runs the model type")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--parallel", action="store_true",
                    help="P-EAGLE parallel drafting (the shipped pair's draft-parallel drafter by default)")
@@ -177,7 +131,7 @@ def cmd_generate(args) -> int:
     tokenizer = load_tokenizer(args.target)
     texts = read_prompts(args)
     prompts, eos = encode_prompts(args, tokenizer, texts)
-    target, drafter = load_pair(args.target, args.draft, args.device, args.dtype, args.hf_target)
+    target, drafter = load_pair(args.target, args.draft, args.device, args.dtype, args.backend)
     decoder = SpeculativeDecoder(target, drafter, args.k, topk=args.topk, num_draft_tokens=args.num_draft_tokens,
                                  compile=args.compile)
     result = decoder.generate(prompts, args.max_new_tokens, eos_token_id=eos, **sampling_args(args))
@@ -200,9 +154,11 @@ def cmd_bench(args) -> int:
 
     if args.repeat < 1:
         raise ValueError(f"qspec bench: --repeat must be >= 1, got {args.repeat}")
+    if args.batch_size < 1:
+        raise ValueError(f"qspec bench: --batch-size must be >= 1, got {args.batch_size}")
     resolve_models(args)
     prompts, eos = encode_prompts(args, load_tokenizer(args.target), read_prompts(args))
-    target, drafter = load_pair(args.target, args.draft, args.device, args.dtype, args.hf_target)
+    target, drafter = load_pair(args.target, args.draft, args.device, args.dtype, args.backend)
     # Chains (or parallel drafts) at every k; with --topk > 1 also a tree of each depth k.
     decoders = [SpeculativeDecoder(target, drafter, k, compile=args.compile) for k in args.k]
     if args.topk > 1:

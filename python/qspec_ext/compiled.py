@@ -4,33 +4,50 @@ compiled as static-shape graphs (``fullgraph=True, dynamic=False``), the custom 
 them through their fake kernels; inductor on CPU, CUDA graphs (``mode="reduce-overhead"``) on
 CUDA.
 
+The caller's models are left as they are (calling one still runs it eagerly): the compiled
+forwards are separate callables, kept with each model so that every generate call with the same
+model reuses their graphs.
 Shapes are fixed per ``generate`` call: batch, drafts per step, and lengths rounded up to a
 multiple of :data:`BUCKET` (the cache, and the prompt prefill, padded with position -1), so
 another prompt in the same bucket reuses the graphs instead of recompiling.
 """
 
+import contextlib
+
 import torch
 
 BUCKET = 64
+# One graph per (batch, drafts per step, bucket) by design: more than dynamo's default 8.
+RECOMPILE_LIMIT = 64
 
 
-def compile_for_decoding(where: str, *models) -> None:
-    """Compiles each model's forward in place (idempotent: a model compiled once stays compiled)."""
-    from .models import Eagle3Drafter, Qwen3Target
-
-    # One graph per (batch, drafts per step, bucket) by design: more than dynamo's default 8.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+def check_compilable(where: str, *models) -> None:
     for model in models:
-        if not isinstance(model, (Qwen3Target, Eagle3Drafter)):
-            raise ValueError(f"{where}: compile=True needs a Qwen3Target and an Eagle3Drafter (static caches, "
-                             f"one graph per step), got {type(model).__name__}")
-        if getattr(model, "_compiled_call_impl", None) is None:
-            model.compile(fullgraph=True, dynamic=False, mode=_mode(model.lm_head.weight.device))
+        if not model.capabilities.compilable:
+            raise ValueError(f"{where}: compile=True needs a target whose forward compiles to one static-shape graph "
+                             f"(NativeTarget); {type(model).__name__} runs eagerly")
+
+
+def compiled_method(model: torch.nn.Module, name: str):
+    """``model.<name>`` as a compiled callable (built once per model and method; the model itself
+    is not changed)."""
+    methods = model.__dict__.setdefault("_qspec_compiled", {})
+    if name not in methods:
+        methods[name] = torch.compile(getattr(model, name), fullgraph=True, dynamic=False, mode=_mode(model.device))
+    return methods[name]
 
 
 def compiled_step(step, device: torch.device):
     """``step`` (a function of device tensors, no host synchronization) as one graph per shape."""
     return torch.compile(step, fullgraph=True, dynamic=False, mode=_mode(device))
+
+
+def compiling(enabled: bool):
+    """The context compiled calls run in: dynamo's recompile limit raised for these graphs only."""
+    if not enabled:
+        return contextlib.nullcontext()
+    limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    return torch._dynamo.config.patch(recompile_limit=limit)
 
 
 def _mode(device: torch.device) -> str | None:
@@ -40,10 +57,3 @@ def _mode(device: torch.device) -> str | None:
 def bucketed(length: int, compiled: bool) -> int:
     """length, rounded up to the bucket when the steps are compiled."""
     return -(-length // BUCKET) * BUCKET if compiled else length
-
-
-def mark_static(caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """KV caches keep their addresses for the whole generate call: CUDA graphs may capture them."""
-    for pair in caches:
-        for cache in pair:
-            torch._dynamo.mark_static_address(cache)

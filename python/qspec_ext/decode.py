@@ -12,12 +12,13 @@ the prompt prefill through the models' compiled forwards (compiled.py).
 """
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from .arguments import check_int, check_pair, check_prompts, check_sampling
-from .compiled import bucketed, compile_for_decoding, compiled_step
+from .compiled import bucketed, check_compilable, compiled_method, compiled_step, compiling
 from .drafting import make_drafting
 from .sampling import apply_top_k_top_p
 
@@ -122,12 +123,12 @@ class _Sampler:
 
 
 def _check_call(where: str, target, prompts, max_new_tokens: int, extra: int, max_length: int | None,
-                temperature, top_k, top_p, eos_token_id, seed) -> tuple[list[list[int]], int]:
-    """The arguments of one generate call, checked before any work: the prompts as lists, and
-    the cache length (just enough when max_length is None)."""
+                temperature, top_k, top_p, eos_token_id, seed) -> tuple[list[list[int]], int, list[int]]:
+    """The arguments of one generate call, checked before any work: the prompts as lists, the
+    cache length (just enough when max_length is None) and the stop ids."""
     vocab = target.config.vocab_size
     prompts = check_prompts(where, prompts, vocab)
-    check_sampling(where, vocab, max_new_tokens, temperature, top_k, top_p, eos_token_id, seed)
+    stop_ids = check_sampling(where, vocab, max_new_tokens, temperature, top_k, top_p, eos_token_id, seed)
     longest = max(len(p) for p in prompts)
     max_length = max_length or longest + max_new_tokens + extra
     if longest + max_new_tokens + extra > max_length:
@@ -135,7 +136,7 @@ def _check_call(where: str, target, prompts, max_new_tokens: int, extra: int, ma
             f"{where}: a prompt of {longest} tokens + max_new_tokens={max_new_tokens} (+{extra} for drafts) "
             f"does not fit the cache of {max_length} positions"
         )
-    return prompts, max_length
+    return prompts, max_length, stop_ids
 
 
 def _nothing_to_generate(prompts: list[list[int]]) -> "GenerateResult":
@@ -152,45 +153,79 @@ def _prefill_inputs(prompts: list[list[int]], device, compiled: bool) -> tuple[t
     return tokens, positions
 
 
-def _finish(generated: list[int], new: list[int], max_new_tokens: int, eos_token_id: int | None) -> bool:
-    """Appends new tokens up to the limits; True when the request is done."""
-    for token in new:
-        generated.append(token)
-        if token == eos_token_id or len(generated) >= max_new_tokens:
-            return True
-    return False
+class _StopIds:
+    """Finds stop ids on the device: the host reads the answer with the tokens, in one transfer."""
+
+    def __init__(self, ids: list[int], device):
+        self.ids = torch.tensor(ids, dtype=torch.long, device=device) if ids else None
+
+    def first(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``[B]``: the column of the first stop id in each row of ``tokens [B, W]``, W if none."""
+        width = tokens.shape[1]
+        if self.ids is None:
+            return torch.full(tokens.shape[:1], width, dtype=torch.long, device=tokens.device)
+        columns = torch.arange(width, device=tokens.device)
+        return torch.where(torch.isin(tokens, self.ids), columns, width).min(dim=1).values
+
+
+def _finish(generated: list[int], new: list[int], max_new_tokens: int, stop: int) -> bool:
+    """Appends ``new[: stop + 1]`` (``stop``: the index of a stop id in ``new``, or len(new) if
+    none) up to max_new_tokens; True when the request is done."""
+    kept = new[: min(stop + 1, max_new_tokens - len(generated))]
+    generated.extend(kept)
+    return stop < len(new) or len(generated) >= max_new_tokens
+
+
+def _read_tokens(rows: torch.Tensor, stops: _StopIds, skip: int = 0) -> tuple[list[list[int]], list[int]]:
+    """rows ``[B, W]`` and the first stop column of each row's ``rows[:, skip:]`` (the columns
+    before are counts, not tokens), in one device-to-host transfer."""
+    both = torch.cat([rows, stops.first(rows[:, skip:])[:, None]], dim=1).tolist()
+    return [row[:-1] for row in both], [row[-1] for row in both]
 
 
 @torch.no_grad()
 def generate_plain(target, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
-                   top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
-                   seed: int = 0, max_length: int | None = None, compile: bool = False) -> GenerateResult:
-    """Ordinary decoding with the target alone (one forward per token): the baseline.
+                   top_k: int | None = None, top_p: float | None = None,
+                   eos_token_id: int | Sequence[int] | None = None, seed: int = 0, max_length: int | None = None,
+                   compile: bool = False) -> GenerateResult:
+    """Ordinary decoding with the target alone (one forward per token): the baseline. Each
+    request stops at max_new_tokens or after any of the ``eos_token_id`` ids.
     ``compile``: the target's forward runs as static-shape graphs (compiled.py)."""
     if compile:
-        compile_for_decoding("generate_plain", target)
-    prompts, max_length = _check_call("generate_plain", target, prompts, max_new_tokens, 1, max_length,
-                                      temperature, top_k, top_p, eos_token_id, seed)
+        check_compilable("generate_plain", target)
+    prompts, max_length, stop_ids = _check_call("generate_plain", target, prompts, max_new_tokens, 1, max_length,
+                                                temperature, top_k, top_p, eos_token_id, seed)
     if max_new_tokens == 0:
         return _nothing_to_generate(prompts)
-    device = target.lm_head.weight.device if hasattr(target, "lm_head") else next(target.parameters()).device
+    with compiling(compile):
+        return _generate_plain(target, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids, seed,
+                               max_length, compile)
+
+
+def _generate_plain(target, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids, seed, max_length,
+                    compile) -> GenerateResult:
+    device = target.device
+    forward = compiled_method(target, "forward") if compile else target
     start = time.perf_counter()
     batch = len(prompts)
     target.setup(batch, bucketed(max_length, compile))
     sampler = _Sampler(batch, temperature, top_k, top_p, seed, device)
+    stops = _StopIds(stop_ids, device)
     tokens, positions = _prefill_inputs(prompts, device, compile)
-    next_token = sampler.pick(target(tokens, positions, last_only=True))
+    next_token = sampler.pick(forward(tokens, positions, last_only=True))
     generated: list[list[int]] = [[] for _ in prompts]
-    done = [_finish(g, [t], max_new_tokens, eos_token_id) for g, t in zip(generated, next_token.tolist())]
+    new, stop = _read_tokens(next_token[:, None], stops)
+    done = [_finish(g, n, max_new_tokens, s) for g, n, s in zip(generated, new, stop)]
     first_token_time = time.perf_counter() - start
     position = torch.tensor([len(p) for p in prompts], device=device)
     while not all(done):
         step_pos = torch.where(torch.tensor(done, device=device), -1, position)[:, None]
-        logits = target(next_token[:, None], step_pos)[:, 0]
+        logits = forward(next_token[:, None], step_pos)[:, 0]
         next_token = sampler.pick(logits)
-        for b, token in enumerate(next_token.tolist()):
+        new, stop = _read_tokens(next_token[:, None], stops)
+        for b in range(batch):
             if not done[b]:
-                done[b] = _finish(generated[b], [token], max_new_tokens, eos_token_id)
+                done[b] = _finish(generated[b], new[b], max_new_tokens, stop[b])
         position = position + 1
     stats = SpecDecodeStats(num_generated_tokens=sum(map(len, generated)), num_requests=batch,
                             wall_time=time.perf_counter() - start, first_token_time=first_token_time)
@@ -198,12 +233,13 @@ def generate_plain(target, prompts: list[list[int]], max_new_tokens: int, temper
 
 
 class SpeculativeDecoder:
-    """EAGLE-3 speculative decoding of a target (Qwen3Target or HFTarget) with an Eagle3Drafter.
+    """EAGLE-3 speculative decoding of a target (any :class:`~qspec_ext.targets.Target`) with an Eagle3Drafter.
 
     ``topk = 1`` drafts a chain of ``num_speculative_tokens`` (one forward each, or one forward
     for all with a P-EAGLE drafter); ``topk > 1`` drafts an EAGLE-2 tree of that depth and
     verifies its ``num_draft_tokens`` best nodes (SGLang's steps / eagle topk / draft tokens).
-    ``compile``: both models' forwards run as static-shape graphs (compiled.py)."""
+    ``compile``: both models' forwards run as static-shape graphs (compiled.py); the models
+    themselves stay eager for other callers."""
 
     def __init__(self, target, drafter, num_speculative_tokens: int = 3, max_length: int | None = None,
                  topk: int = 1, num_draft_tokens: int | None = None, compile: bool = False):
@@ -215,29 +251,40 @@ class SpeculativeDecoder:
         self.drafting = make_drafting(target, drafter, num_speculative_tokens, topk, num_draft_tokens)
         self.max_length = max_length or target.config.max_position_embeddings
         self.compiled = compile
-        self.step = self._step
+        self.step, self.target_forward, self.drafter_prefill = self._step, target, drafter.prefill
         if compile:
-            compile_for_decoding("SpeculativeDecoder", target, drafter)
-            self.step = compiled_step(self._step, drafter.fc.weight.device)
+            check_compilable("SpeculativeDecoder", target)
+            self.step = compiled_step(self._step, drafter.device)
+            self.target_forward = compiled_method(target, "forward")
+            self.drafter_prefill = compiled_method(drafter, "prefill")
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
-                 top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
-                 seed: int = 0) -> GenerateResult:
-        target, drafter, drafting = self.target, self.drafter, self.drafting
-        margin = drafting.cache_margin  # positions past the new tokens that drafts may use
-        prompts, _ = _check_call("SpeculativeDecoder.generate", target, prompts, max_new_tokens, margin,
-                                 self.max_length, temperature, top_k, top_p, eos_token_id, seed)
+                 top_k: int | None = None, top_p: float | None = None,
+                 eos_token_id: int | Sequence[int] | None = None, seed: int = 0) -> GenerateResult:
+        """Tokens for each prompt, up to max_new_tokens or through the first of the
+        ``eos_token_id`` ids (one, or several: an instruct model's list); a stop id inside an
+        accepted run ends the request there."""
+        margin = self.drafting.cache_margin  # positions past the new tokens that drafts may use
+        prompts, _, stop_ids = _check_call("SpeculativeDecoder.generate", self.target, prompts, max_new_tokens,
+                                           margin, self.max_length, temperature, top_k, top_p, eos_token_id, seed)
         if max_new_tokens == 0:
             return _nothing_to_generate(prompts)
-        device = drafter.fc.weight.device
+        with compiling(self.compiled):
+            return self._generate(prompts, max_new_tokens, temperature, top_k, top_p, stop_ids, seed)
+
+    def _generate(self, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids, seed) -> GenerateResult:
+        target, drafter, drafting = self.target, self.drafter, self.drafting
+        margin = drafting.cache_margin
+        device = drafter.device
         start = time.perf_counter()
         batch = len(prompts)
         needed = max(len(p) for p in prompts) + max_new_tokens + margin
         cache_length = max(needed, min(bucketed(needed, self.compiled), self.max_length))
         target.setup(batch, cache_length)
-        drafter.setup_caches(batch, cache_length)
+        drafter.setup(batch, cache_length)
         sampler = _Sampler(batch, temperature, top_k, top_p, seed, device)
+        stops = _StopIds(stop_ids, device)
         norm_mode, norm_weight = drafter.fc_norm_mode()
         eps = drafter.config.rms_norm_eps
         stats = SpecDecodeStats(accepted_per_position=[0] * drafting.max_depth, num_requests=batch)
@@ -246,17 +293,18 @@ class SpeculativeDecoder:
         # the pairs (feature of prompt token t, prompt token t+1 or that first token). The
         # drafter's part counts as decode time (after first_token_time): plain decoding has none.
         tokens, positions = _prefill_inputs(prompts, device, self.compiled)
-        first = sampler.pick(target(tokens, positions, last_only=True))
+        first = sampler.pick(self.target_forward(tokens, positions, last_only=True))
         generated: list[list[int]] = [[] for _ in prompts]
-        done = [_finish(g, [t], max_new_tokens, eos_token_id) for g, t in zip(generated, first.tolist())]
+        new, stop = _read_tokens(first[:, None], stops)
+        done = [_finish(g, n, max_new_tokens, s) for g, n, s in zip(generated, new, stop)]
         stats.first_token_time = time.perf_counter() - start
         lengths = torch.tensor([len(p) for p in prompts], device=device)
         pair_tokens = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)
         pair_tokens[torch.arange(batch, device=device), lengths - 1] = first
         rows = torch.where(positions >= 0, torch.arange(tokens.numel(), device=device).view_as(tokens), -1)
         fc_input = target.capture.gather(rows.reshape(-1), norm_mode, norm_weight, eps)
-        drafter.prefill(fc_input.view(batch, tokens.shape[1], -1), pair_tokens, positions, normalized=True,
-                        last_only=True)
+        self.drafter_prefill(fc_input.view(batch, tokens.shape[1], -1), pair_tokens, positions, normalized=True,
+                             last_only=True)
 
         last, position = first, lengths  # the newest token and its position (not yet in the target's cache)
         position_host = [len(p) for p in prompts]
@@ -267,7 +315,9 @@ class SpeculativeDecoder:
             # (each value would be a new graph) and checks nothing: the cache has room for every step.
             top = None if self.compiled else max(position_host[b] for b in range(batch) if not done[b]) + drafting.max_depth
             out, accepted, last, position = self.step(last, position, active, seeds, sampler, top)
-            out_host, accepted_host = out.tolist(), accepted.tolist()  # the one sync: stopping needs it
+            # The one sync per step (stopping needs it): tokens, accepted counts and stop columns.
+            out_host, stop = _read_tokens(torch.cat([accepted[:, None], out], dim=1), stops, skip=1)
+            accepted_host = [row.pop(0) for row in out_host]
             position_host = [p + a + 1 for p, a in zip(position_host, accepted_host)]
 
             for b in range(batch):
@@ -279,7 +329,7 @@ class SpeculativeDecoder:
                 stats.num_accepted_tokens += n
                 for i in range(n):
                     stats.accepted_per_position[i] += 1
-                done[b] = _finish(generated[b], out_host[b][: n + 1], max_new_tokens, eos_token_id)
+                done[b] = _finish(generated[b], out_host[b][: n + 1], max_new_tokens, stop[b])
         stats.num_generated_tokens = sum(map(len, generated))
         stats.wall_time = time.perf_counter() - start
         return GenerateResult(generated, stats)

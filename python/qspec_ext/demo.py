@@ -69,21 +69,20 @@ def run_demo(quick: bool = False, device: str = "cpu", max_new_tokens: int | Non
     decode steps, each configuration timed after an untimed run that compiles it."""
     from functools import partial
 
-    from tokenizers import Tokenizer
-
-    from .cli import load_pair
     from .decode import SpeculativeDecoder, generate_plain, in_batches
     from .models import Eagle3Drafter
+    from .pair import load_pair
+    from .text import load_tokenizer
 
     if not (DEMO_DIR / "target" / "model.safetensors").is_file():
         print(f"qspec demo: the demo pair is missing from {DEMO_DIR} (python scripts/make_demo_pair.py makes it)")
         return 1
-    target, chain = load_pair(str(DEMO_DIR / "target"), str(DEMO_DIR / "draft"), device, "fp32", hf_target=False)
+    target, chain = load_pair(DEMO_DIR / "target", DEMO_DIR / "draft", device, "fp32", backend="native")
     drafters = {"chain": chain}
     if (DEMO_DIR / "draft-parallel").is_dir():
         drafters["parallel"] = Eagle3Drafter.from_pretrained(DEMO_DIR / "draft-parallel", dtype=torch.float32,
                                                              device=device, target=target)
-    tokenizer = Tokenizer.from_file(str(DEMO_DIR / "target" / "tokenizer.json"))
+    tokenizer = load_tokenizer(DEMO_DIR / "target")
     texts = demo_prompts(2 if quick else 4)
     prompts = [tokenizer.encode(t).ids for t in texts]
     new_tokens = max_new_tokens or (24 if quick else 96)

@@ -2,8 +2,32 @@
 in the layout the kernels read."""
 
 import math
+from collections.abc import Mapping
 
 import torch
+
+
+def rope_config(config: Mapping, default_theta: float) -> tuple[float, dict | None]:
+    """``(theta, scaling)`` of an HF config dict: transformers 5's ``rope_parameters`` (theta and
+    scaling in one dict) or the older ``rope_theta`` + ``rope_scaling``. ``scaling`` keeps every
+    field of the scaling type (None for "default"); the one parser of the target, the drafter and
+    the trainer."""
+    rope = dict(config.get("rope_parameters") or {})
+    theta = rope.pop("rope_theta", None)
+    if theta is None:
+        theta = config.get("rope_theta", default_theta)
+    scaling = rope or dict(config.get("rope_scaling") or {}) or None
+    if scaling is not None:
+        if "type" in scaling and "rope_type" not in scaling:  # the pre-4.45 spelling
+            scaling["rope_type"] = scaling.pop("type")
+        if scaling.get("rope_type", "default") == "default":
+            scaling = None
+    return float(theta), scaling
+
+
+def rope_parameters(theta: float, scaling: dict | None) -> dict:
+    """The inverse of :func:`rope_config`: transformers 5's ``rope_parameters`` dict."""
+    return {"rope_theta": theta, **(scaling or {"rope_type": "default"})}
 
 
 def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict | None = None) -> tuple[torch.Tensor, float]:

@@ -24,7 +24,8 @@ from . import reference
 from .arguments import check_bool, check_float, check_int
 from .aux import default_aux_layer_ids
 from .models import Eagle3Config, Eagle3Drafter
-from .rope import rope_cos_sin_cache
+from .rope import rope_config, rope_cos_sin_cache
+from .text import load_tokenizer
 
 
 @dataclass
@@ -308,13 +309,12 @@ def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: 
     missing = [str(f) for f in data_files if not Path(f).is_file()]
     if missing:
         raise FileNotFoundError(f"train_drafter: data files not found: {missing}")
-    from tokenizers import Tokenizer
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(config.seed)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(device).eval()
-    tokenizer = Tokenizer.from_file(str(Path(target_dir) / "tokenizer.json"))
+    tokenizer = load_tokenizer(target_dir)
     tc = target.config
     aux_ids = list(config.aux_layer_ids or default_aux_layer_ids(tc.num_hidden_layers))
     # Id N (the last layer's output before the final norm) is not among transformers' hidden
@@ -331,8 +331,7 @@ def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: 
     frequent = {t for t, _ in counts.most_common(draft_vocab)}
     unseen = (t for t in range(vocab_size) if t not in frequent)  # pad a small corpus up to draft_vocab
     frequent = sorted(frequent | {next(unseen) for _ in range(draft_vocab - len(frequent))})
-    rope = getattr(tc, "rope_parameters", None) or {}
-    theta = rope.get("rope_theta", getattr(tc, "rope_theta", 1_000_000.0))
+    theta, scaling = rope_config(tc.to_dict(), default_theta=10000.0 if tc.model_type == "llama" else 1_000_000.0)
     # P-EAGLE's mask token: an id the data never uses (its embedding is learned), else the last.
     parallel = dict(parallel_drafting=True, speculative_tokens=config.parallel_depth,
                     mask_token_id=next((t for t in reversed(range(vocab_size)) if t not in counts), vocab_size - 1),
@@ -341,8 +340,8 @@ def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: 
         hidden_size=tc.hidden_size, num_attention_heads=tc.num_attention_heads,
         num_key_value_heads=tc.num_key_value_heads, head_dim=getattr(tc, "head_dim", tc.hidden_size // tc.num_attention_heads),
         intermediate_size=config.intermediate_size or tc.intermediate_size, vocab_size=vocab_size,
-        draft_vocab_size=draft_vocab, arch=config.arch, rms_norm_eps=tc.rms_norm_eps, rope_theta=float(theta),
-        max_position_embeddings=tc.max_position_embeddings, num_aux=len(aux_ids), aux_layer_ids=aux_ids,
+        draft_vocab_size=draft_vocab, arch=config.arch, rms_norm_eps=tc.rms_norm_eps, rope_theta=theta,
+        rope_scaling=scaling, max_position_embeddings=tc.max_position_embeddings, num_aux=len(aux_ids), aux_layer_ids=aux_ids,
         fc_norm=config.fc_norm, norm_output=config.norm_output, **parallel,
     )
     drafter = Eagle3Drafter(dconfig, use_custom_ops=False).to(device)

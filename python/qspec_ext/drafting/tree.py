@@ -15,13 +15,14 @@ class TreeDrafting:
 
     def __init__(self, target, drafter, depth: int, topk: int, num_draft_tokens: int | None):
         where = "SpeculativeDecoder"
-        if not hasattr(target, "keep_path"):
+        if not target.capabilities.trees:
             raise ValueError(f"{where}: tree drafting (topk > 1) needs a target that runs tree attention "
-                             f"(Qwen3Target); {type(target).__name__} verifies chains only")
+                             f"(NativeTarget); {type(target).__name__} verifies chains only")
         if drafter.config.parallel_drafting:
             raise ValueError(f"{where}: tree drafting (topk > 1) needs a chain EAGLE-3 drafter, got a P-EAGLE one")
         candidates = topk + (depth - 1) * topk * topk
-        num_draft_tokens = num_draft_tokens or min(candidates, depth * topk)
+        if num_draft_tokens is None:
+            num_draft_tokens = min(candidates, depth * topk)
         check_int(where, "num_draft_tokens", num_draft_tokens, 1)
         if num_draft_tokens > candidates:
             raise ValueError(f"{where}: num_draft_tokens={num_draft_tokens} exceeds the {candidates} candidates of a "

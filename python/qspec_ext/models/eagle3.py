@@ -24,10 +24,9 @@ from torch import nn
 
 from .. import ops, reference
 from ..arguments import check_load
-from ..compiled import mark_static
-from ..rope import rope_cos_sin_cache
+from ..rope import rope_config, rope_cos_sin_cache, rope_parameters
 from .checkpoint import CheckpointError, check_tensors, load_tensors, read_config, resolve_checkpoint, save_tensors
-from .layers import MLP, Attention, RMSNormWeight, TreeAttention
+from .layers import MLP, Attention, RMSNormWeight, TreeAttention, mark_static
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +130,9 @@ class Eagle3Config:
         )
 
     def to_speculators(self) -> dict:
+        """The speculators config. ``transformer_layer_config`` is complete: vLLM builds the layer
+        config from these keys alone (no model defaults), so every field it reads is written, and
+        every flag (their defaults differ between vLLM and speculators)."""
         layer = {
             "model_type": self.arch,
             "architectures": ["Qwen3ForCausalLM" if self.arch == "qwen3" else "LlamaForCausalLM"],
@@ -141,9 +143,13 @@ class Eagle3Config:
             "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_hidden_layers,
             "vocab_size": self.vocab_size,
+            "hidden_act": "silu",
             "rms_norm_eps": self.rms_norm_eps,
             "max_position_embeddings": self.max_position_embeddings,
-            "rope_parameters": {"rope_theta": self.rope_theta, **(self.rope_scaling or {"rope_type": "default"})},
+            "attention_bias": False,
+            "mlp_bias": False,
+            "tie_word_embeddings": False,
+            "rope_parameters": rope_parameters(self.rope_theta, self.rope_scaling),
         }
         if self.layer_types is not None:
             layer["layer_types"] = self.layer_types
@@ -201,11 +207,7 @@ def _parallel_fields(cfg: dict, source: str, peagle: bool) -> dict:
 
 def _layer_fields(layer: dict, source: str) -> dict:
     try:
-        rope = layer.get("rope_parameters") or {}
-        theta = rope.get("rope_theta", layer.get("rope_theta", 10000.0))
-        scaling = {k: v for k, v in rope.items() if k != "rope_theta"} or layer.get("rope_scaling")
-        if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
-            scaling = None
+        theta, scaling = rope_config(layer, default_theta=10000.0)
         return dict(
             hidden_size=int(layer["hidden_size"]),
             num_attention_heads=int(layer["num_attention_heads"]),
@@ -296,7 +298,15 @@ class Eagle3Drafter(nn.Module):
         self.max_next_position = 0  # host copy of state.next_position.max(): draft() checks with no sync
 
     # ------------------------------------------------------------------ caches
-    def setup_caches(self, batch_size: int, max_length: int) -> None:
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def setup(self, batch_size: int, max_length: int) -> None:
         """Preallocates the per-request KV cache ``[B * max_length, Hkv, D]`` per layer."""
         c = self.config
         p = self.fc.weight
@@ -346,7 +356,7 @@ class Eagle3Drafter(nn.Module):
         c, o = self.config, self.ops
         B, T = tokens.shape
         if B != self.batch_size or not self.caches:
-            raise RuntimeError(f"Eagle3Drafter: call setup_caches({B}, max_length) first (set up for {getattr(self, 'batch_size', None)})")
+            raise RuntimeError(f"Eagle3Drafter: call setup({B}, max_length) first (set up for {getattr(self, 'batch_size', None)})")
         if from_features:
             features = hidden.reshape(B * T, -1)
             x = self.fc(features if normalized else self.fc_input(features))

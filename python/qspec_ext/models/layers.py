@@ -6,6 +6,13 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def mark_static(caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """KV caches keep their addresses for the whole generate call: CUDA graphs may capture them."""
+    for pair in caches:
+        for cache in pair:
+            torch._dynamo.mark_static_address(cache)
+
+
 class RMSNormWeight(nn.Module):
     """Holds an RMSNorm weight (the ops apply it)."""
 

@@ -10,14 +10,16 @@ from torch import nn
 from .. import ops, reference
 from ..arguments import check_aux_layer_ids, check_load
 from ..aux import AuxHiddenCapture, default_aux_layer_ids
-from ..compiled import mark_static
-from ..rope import rope_cos_sin_cache
-from .checkpoint import CheckpointError, check_tensors, load_tensors, read_config, resolve_checkpoint
-from .layers import MLP, Attention, RMSNormWeight, TreeAttention, keep_path
+from ..rope import rope_config, rope_cos_sin_cache
+from ..models.checkpoint import CheckpointError, check_tensors, load_tensors, read_config, resolve_checkpoint
+from ..models.layers import MLP, Attention, RMSNormWeight, TreeAttention, keep_path, mark_static
+from .base import Capabilities
+
+NATIVE_MODEL_TYPES = ("qwen3",)
 
 
 @dataclass
-class Qwen3Config:
+class NativeConfig:
     hidden_size: int
     num_hidden_layers: int
     num_attention_heads: int
@@ -32,14 +34,12 @@ class Qwen3Config:
     max_position_embeddings: int = 40960
 
     @classmethod
-    def from_hf(cls, cfg: dict, source: str = "config.json") -> "Qwen3Config":
-        if cfg.get("model_type") != "qwen3":
-            raise CheckpointError(f"{source}: Qwen3Target loads dense Qwen3 checkpoints, got model_type={cfg.get('model_type')!r}")
+    def from_hf(cls, cfg: dict, source: str = "config.json") -> "NativeConfig":
+        if cfg.get("model_type") not in NATIVE_MODEL_TYPES:
+            raise CheckpointError(f"{source}: NativeTarget loads dense {' | '.join(NATIVE_MODEL_TYPES)} checkpoints, "
+                                  f"got model_type={cfg.get('model_type')!r}")
         try:
-            rope = cfg.get("rope_parameters") or {}
-            scaling = {k: v for k, v in rope.items() if k != "rope_theta"} or cfg.get("rope_scaling")
-            if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
-                scaling = None
+            theta, scaling = rope_config(cfg, default_theta=1_000_000.0)
             return cls(
                 hidden_size=cfg["hidden_size"], num_hidden_layers=cfg["num_hidden_layers"],
                 num_attention_heads=cfg["num_attention_heads"],
@@ -47,7 +47,7 @@ class Qwen3Config:
                 head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
                 intermediate_size=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
                 rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-                rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 1_000_000.0))), rope_scaling=scaling,
+                rope_theta=theta, rope_scaling=scaling,
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 max_position_embeddings=cfg.get("max_position_embeddings", 40960),
             )
@@ -55,8 +55,8 @@ class Qwen3Config:
             raise CheckpointError(f"{source}: the Qwen3 config lacks {e.args[0]!r}") from e
 
 
-class Qwen3Layer(nn.Module):
-    def __init__(self, c: Qwen3Config):
+class DecoderLayer(nn.Module):
+    def __init__(self, c: NativeConfig):
         super().__init__()
         self.input_layernorm = RMSNormWeight(c.hidden_size)
         self.self_attn = Attention(c.hidden_size, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
@@ -65,40 +65,50 @@ class Qwen3Layer(nn.Module):
         self.mlp = MLP(c.hidden_size, c.intermediate_size)
 
 
-class Qwen3Model(nn.Module):
-    def __init__(self, c: Qwen3Config):
+class NativeModel(nn.Module):
+    def __init__(self, c: NativeConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(Qwen3Layer(c) for _ in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers))
         self.norm = RMSNormWeight(c.hidden_size)
 
 
-class Qwen3Target(nn.Module):
+class NativeTarget(nn.Module):
     """A dense Qwen3 causal LM with weights named as in HF checkpoints.
 
     :meth:`forward` runs tokens at positions against the static cache (rewinding is just
     running from an earlier position) and records the aux features in :attr:`capture`.
     """
 
-    def __init__(self, config: Qwen3Config, aux_layer_ids: list[int] | None = None, use_custom_ops: bool = True):
+    def __init__(self, config: NativeConfig, aux_layer_ids: list[int] | None = None, use_custom_ops: bool = True):
         super().__init__()
         self.config = config
         self.ops = ops if use_custom_ops else reference
-        self.model = Qwen3Model(config)
+        self.model = NativeModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         if aux_layer_ids is not None:
-            check_aux_layer_ids("Qwen3Target", aux_layer_ids, config.num_hidden_layers)
+            check_aux_layer_ids("NativeTarget", aux_layer_ids, config.num_hidden_layers)
         ids = list(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(config.num_hidden_layers)
         self.aux_layer_ids = ids
         self.capture = AuxHiddenCapture(ids)
         self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.max_length = 0
 
+    capabilities = Capabilities(static_cache=True, trees=True, compilable=True)
+
     @property
     def hidden_size(self) -> int:
         return self.config.hidden_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
@@ -107,9 +117,9 @@ class Qwen3Target(nn.Module):
     def from_pretrained(cls, path, dtype=None, device=None, aux_layer_ids=None, use_custom_ops: bool = True):
         """Loads an HF Qwen3 checkpoint (config.json + safetensors, sharded or not): a directory, or a
         hub repo id resolved through the local cache (see ``resolve_checkpoint``)."""
-        check_load("Qwen3Target.from_pretrained", path, dtype, device)
+        check_load("NativeTarget.from_pretrained", path, dtype, device)
         directory = resolve_checkpoint(path)
-        config = Qwen3Config.from_hf(read_config(directory), str(directory / "config.json"))
+        config = NativeConfig.from_hf(read_config(directory), str(directory / "config.json"))
         tensors, origin = load_tensors(directory)
         with torch.device("meta"):
             model = cls(config, aux_layer_ids, use_custom_ops)
@@ -143,7 +153,7 @@ class Qwen3Target(nn.Module):
         c, o = self.config, self.ops
         B, T = tokens.shape
         if not self.caches or B != self.batch_size:
-            raise RuntimeError(f"Qwen3Target: call setup({B}, max_length) first")
+            raise RuntimeError(f"NativeTarget: call setup({B}, max_length) first")
         aux = set(self.aux_layer_ids)
         records = []  # (aux layer, hidden, residual): stored at once, see AuxHiddenCapture.store
         x = self.model.embed_tokens(tokens.reshape(-1))

@@ -1,7 +1,7 @@
 """Any transformers causal LM as a speculative-decoding target, hybrid (linear-attention) models
 included, with the whole batch in one forward.
 
-The target interface is :class:`Qwen3Target`'s: ``forward(tokens [B, T], positions [B, T])``
+The target interface is :class:`~qspec_ext.targets.Target`: ``forward(tokens [B, T], positions [B, T])``
 with -1 padding, and rollback is implicit (a call whose first position is below what the cache
 holds rewinds to it). Forward pre-hooks on the decoder layers record the aux features (the
 residual stream entering layer L, id 0 = embeddings, id N = the input of the final norm).
@@ -56,6 +56,7 @@ from torch import nn
 
 from ..arguments import check_aux_layer_ids
 from ..aux import AuxHiddenCapture, default_aux_layer_ids
+from .base import Capabilities
 
 
 def _decoder(model: nn.Module) -> nn.Module | None:
@@ -405,8 +406,18 @@ class HFTarget(nn.Module):
         for mixer in self._mixers.values():
             mixer._qspec_split = plan
 
+    capabilities = Capabilities(static_cache=False, trees=False, compilable=False)
+
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.get_input_embeddings()
+
+    @property
+    def device(self) -> torch.device:
+        return self.get_input_embeddings().weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.get_input_embeddings().weight.dtype
 
     @property
     def config(self):
@@ -440,12 +451,12 @@ class HFTarget(nn.Module):
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, last_only: bool = False,
                 tree: None = None) -> torch.Tensor:
-        """As :meth:`Qwen3Target.forward`: logits ``[B, T, V]`` of tokens at positions (-1 = padding;
+        """As :meth:`NativeTarget.forward`: logits ``[B, T, V]`` of tokens at positions (-1 = padding;
         a request's valid entries are consecutive columns at consecutive positions). The aux features
         of all B*T rows are in :attr:`capture` until the next call. Chains only: no draft trees."""
         if tree is not None:
             raise ValueError("HFTarget.forward: draft trees need tree attention, which HFTarget does not run "
-                             "(use Qwen3Target, or topk=1)")
+                             "(use NativeTarget, or topk=1)")
         B, T = tokens.shape
         if B != getattr(self, "batch_size", None):
             raise RuntimeError(f"HFTarget: call setup({B}, max_length) first")

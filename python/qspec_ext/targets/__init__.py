@@ -1,0 +1,40 @@
+"""Targets: the models speculative decoding speeds up, behind one interface (:class:`Target`).
+
+- :class:`NativeTarget` (native.py): dense Qwen3 checkpoints on the qspec_ext ops, with a static
+  KV cache, tree attention and compiled steps;
+- :class:`HFTarget` (hf.py): any transformers causal LM (MoE and hybrid linear-attention models
+  included), chains only, eager.
+
+:func:`load_target` picks the class from the checkpoint's ``model_type``.
+"""
+
+from pathlib import Path
+
+import torch
+
+from ..models.checkpoint import CheckpointError, read_config, resolve_checkpoint
+from .base import Capabilities, Target
+from .hf import HFTarget
+from .native import NATIVE_MODEL_TYPES, NativeTarget
+
+__all__ = ["Capabilities", "HFTarget", "NativeTarget", "Target", "load_target"]
+
+
+def load_target(source, dtype: torch.dtype | None = None, device=None, aux_layer_ids: list[int] | None = None,
+                backend: str = "auto") -> Target:
+    """A target from a checkpoint directory or hub id. ``backend``: "native" (:class:`NativeTarget`),
+    "transformers" (:class:`HFTarget`), or "auto": native for the model types it runs
+    (:data:`NATIVE_MODEL_TYPES`), transformers for the others."""
+    if backend not in ("auto", "native", "transformers"):
+        raise ValueError(f"load_target: backend must be 'auto', 'native' or 'transformers', got {backend!r}")
+    directory = resolve_checkpoint(source)
+    model_type = read_config(Path(directory)).get("model_type")
+    if backend == "native" and model_type not in NATIVE_MODEL_TYPES:
+        raise CheckpointError(f"{directory / 'config.json'}: the native target runs model_type "
+                              f"{' | '.join(NATIVE_MODEL_TYPES)}, got {model_type!r} (backend='transformers' runs it)")
+    if backend == "native" or (backend == "auto" and model_type in NATIVE_MODEL_TYPES):
+        return NativeTarget.from_pretrained(directory, dtype=dtype, device=device, aux_layer_ids=aux_layer_ids)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype or torch.float32)
+    return HFTarget(model.to(device) if device is not None else model, aux_layer_ids)

@@ -1,0 +1,48 @@
+"""The interface every target implements (see targets/__init__.py for the kinds)."""
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from ..aux import AuxHiddenCapture
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a target can do beyond a chain forward; the decode loop asks these, never the class."""
+
+    static_cache: bool  # a preallocated KV cache, rewound by the next call's positions
+    trees: bool  # tree attention in forward(tree=...) and keep_path after it
+    compilable: bool  # forward traces as one static-shape graph (torch.compile fullgraph)
+
+
+@runtime_checkable
+class Target(Protocol):
+    """A causal LM the decode loop can drive.
+
+    ``config`` has ``vocab_size``, ``hidden_size``, ``num_hidden_layers`` and
+    ``max_position_embeddings``; ``capture`` holds the aux features of :attr:`aux_layer_ids`
+    after each forward (for the drafter's fc input)."""
+
+    config: Any
+    aux_layer_ids: list[int]
+    capture: AuxHiddenCapture
+    capabilities: Capabilities
+    max_length: int
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def setup(self, batch_size: int, max_length: int) -> None:
+        """Prepares caches for ``batch_size`` requests of up to ``max_length`` positions."""
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, last_only: bool = False,
+                tree=None) -> torch.Tensor:
+        """Logits ``[B, T, V]`` of tokens ``[B, T]`` at positions ``[B, T]`` (-1 pads); a call
+        whose positions start below what the cache holds rewinds it."""
+
+    def get_input_embeddings(self) -> torch.nn.Embedding: ...

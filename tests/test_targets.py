@@ -1,0 +1,276 @@
+"""The target interface and the one loading path: the Target protocol, load_target / load_pair,
+several stop ids end to end, the RoPE-config parser, and a package without import cycles."""
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from test_decode import AUX, PROMPTS, VOCAB, hf_dir, make_drafter, make_hf  # noqa: E402, F401
+
+import qspec_ext  # noqa: E402
+from qspec_ext import (HFTarget, NativeTarget, SpeculativeDecoder, Target, generate_plain, load_pair,  # noqa: E402
+                       load_target)
+from qspec_ext.models.checkpoint import CheckpointError  # noqa: E402
+from qspec_ext.rope import rope_config, rope_parameters  # noqa: E402
+from qspec_ext.text import stop_ids  # noqa: E402
+
+PACKAGE = Path(qspec_ext.__file__).parent
+
+
+# ---------------------------------------------------------------- the import graph
+def _module_name(path: Path) -> str:
+    parts = ["qspec_ext", *path.relative_to(PACKAGE).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, modules: set[str]) -> set[str]:
+    """The package modules a file imports anywhere (function-level imports included); importing
+    a.b.c also runs the package a.b, so that is an edge too (except a package holding the
+    importer, already initialized)."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            parts = target.split(".")
+            for i in range(2, len(parts) + 1):
+                prefix = ".".join(parts[:i])
+                # a package that holds this module is initialized before it: no edge to it
+                if prefix in modules and prefix != name and not name.startswith(prefix + "."):
+                    found.add(prefix)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = [p for p in PACKAGE.rglob("*.py") if "demo_pair" not in p.parts]
+    modules = {_module_name(p) for p in files}
+    return {_module_name(p): _imports(p, modules) for p in files}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node):
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                cycle = visit(nxt)
+                if cycle:
+                    return cycle
+        state[node] = 2
+        stack.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            cycle = visit(node)
+            if cycle:
+                return cycle
+    return None
+
+
+def test_the_package_has_no_import_cycles():
+    graph = import_graph()
+    assert "qspec_ext.targets.native" in graph["qspec_ext.targets"]  # the graph sees the package
+    assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
+
+
+def test_the_cycle_finder_sees_function_level_imports():
+    """The check above can fail: function-level imports are edges (cli imports demo inside a
+    function), and the cycle the repairs removed (demo importing load_pair from cli) is found."""
+    graph = import_graph()
+    assert "qspec_ext.demo" in graph["qspec_ext.cli"] and "qspec_ext.pair" in graph["qspec_ext.demo"]
+    graph["qspec_ext.demo"].add("qspec_ext.cli")
+    assert find_cycle(graph) == ["qspec_ext.cli", "qspec_ext.demo", "qspec_ext.cli"]
+
+
+def test_wheel_packages_are_found_not_listed_and_numpy_is_a_dependency():
+    """pyproject finds the packages: a new subpackage cannot be left out of the wheel. numpy is a
+    dependency: without it torch warns "Failed to initialize NumPy" at every `qspec` start."""
+    import tomllib
+
+    text = (PACKAGE.parents[1] / "pyproject.toml").read_text()
+    project = tomllib.loads(text)
+    assert "find" in project["tool"]["setuptools"]["packages"]
+    assert "numpy" in project["project"]["dependencies"]
+    from setuptools import find_packages
+
+    found = set(find_packages(PACKAGE.parent))
+    assert {"qspec_ext", "qspec_ext.targets", "qspec_ext.drafting", "qspec_ext.models"} <= found
+
+
+# ---------------------------------------------------------------- the Target protocol
+def test_both_targets_implement_the_protocol(hf_dir):
+    native = load_target(hf_dir, aux_layer_ids=AUX)
+    hf = load_target(hf_dir, aux_layer_ids=AUX, backend="transformers")
+    assert type(native) is NativeTarget and type(hf) is HFTarget
+    for target in (native, hf):
+        assert isinstance(target, Target)
+        assert target.device == torch.device("cpu") and target.dtype == torch.float32
+    assert native.capabilities.trees and native.capabilities.compilable and native.capabilities.static_cache
+    assert not (hf.capabilities.trees or hf.capabilities.compilable or hf.capabilities.static_cache)
+    # the same numbers through both
+    for target in (native, hf):
+        target.setup(1, 16)
+    tokens, positions = torch.tensor([[3, 4, 5]]), torch.arange(3)[None]
+    torch.testing.assert_close(native(tokens, positions), hf(tokens, positions), atol=1e-4, rtol=1e-4)
+
+
+def test_load_target_picks_the_class_from_model_type(tmp_path, hf_dir):
+    assert type(load_target(hf_dir)) is NativeTarget
+    config = json.loads((hf_dir / "config.json").read_text())
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "mistral"}))
+    with pytest.raises(CheckpointError, match="native target runs model_type qwen3.*got 'mistral'"):
+        load_target(other, backend="native")
+    with pytest.raises(ValueError, match="backend must be 'auto', 'native' or 'transformers', got 'hf'"):
+        load_target(hf_dir, backend="hf")
+
+
+def test_load_pair_and_the_drafter_set_up_under_the_targets_name(tmp_path, hf_dir):
+    make_drafter().save_pretrained(tmp_path / "draft")
+    target, drafter = load_pair(hf_dir, tmp_path / "draft", dtype="bf16")
+    assert target.dtype == drafter.dtype == torch.bfloat16
+    assert target.aux_layer_ids == AUX
+    drafter.setup(2, 8)
+    assert drafter.caches[0][0].shape[0] == 16 and not hasattr(drafter, "setup_caches")
+    with pytest.raises(ValueError, match="load_pair: dtype must be one of"):
+        load_pair(hf_dir, tmp_path / "draft", dtype="int8")
+
+
+# ---------------------------------------------------------------- stop ids
+@pytest.fixture(scope="module")
+def pair(hf_dir):
+    return NativeTarget.from_pretrained(hf_dir, aux_layer_ids=AUX), make_drafter()
+
+
+def _expected_with_stops(reference: list[int], stops: set[int]) -> list[int]:
+    for i, token in enumerate(reference):
+        if token in stops:
+            return reference[: i + 1]
+    return reference
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_several_stop_ids_end_each_request_at_its_first(pair, k):
+    target, drafter = pair
+    prompts = PROMPTS[:4]
+    free = generate_plain(target, prompts, 24).tokens
+    # two stop ids: each occurs in some continuation, at different places
+    stops = [free[0][7], free[2][3]]
+    expected = [_expected_with_stops(t, set(stops)) for t in free]
+    assert any(len(e) < 24 for e in expected) and expected != free
+    assert generate_plain(target, prompts, 24, eos_token_id=stops).tokens == expected
+    assert generate_plain(target, prompts, 24, eos_token_id=tuple(stops)).tokens == expected
+    assert generate_plain(target, prompts, 24, eos_token_id=torch.tensor(stops)).tokens == expected
+    spec = SpeculativeDecoder(target, drafter, k).generate(prompts, 24, eos_token_id=stops)
+    assert spec.tokens == expected
+    # one id still works, as an int or a one-element list
+    one = [_expected_with_stops(t, {stops[0]}) for t in free]
+    assert SpeculativeDecoder(target, drafter, k).generate(prompts, 24, eos_token_id=stops[0]).tokens == one
+
+
+def test_a_stop_id_inside_an_accepted_run_ends_the_request_there(pair):
+    """A drafter that always agrees with the target (its own copy's greedy tokens as drafts)
+    accepts long runs; a stop id in the middle of one must still end the request at it."""
+    target, drafter = pair
+    free = generate_plain(target, PROMPTS[:1], 30).tokens[0]
+    decoder = SpeculativeDecoder(target, drafter, 4)
+    position = {"at": 0}  # the index in free of the newest generated token
+
+    def oracle():  # the target's own next 4 tokens after what was generated so far
+        start = position["at"]
+        return torch.tensor([(free + [0] * 8)[start + 1 : start + 5]])
+
+    original_step = decoder._step
+
+    def step(last, pos, active, seeds, sampler, top):
+        out = original_step(last, pos, active, seeds, sampler, top)
+        position["at"] += int(out[1][0]) + 1
+        return out
+
+    decoder.drafting.draft = oracle
+    decoder.step = step
+    stop_at = 9
+    result = decoder.generate(PROMPTS[:1], 30, eos_token_id=[free[stop_at]])
+    first = free.index(free[stop_at])
+    assert result.tokens == [free[: first + 1]]
+    assert result.stats.num_accepted_tokens >= 4  # the runs were accepted whole
+
+
+def test_stop_ids_are_checked(pair):
+    target, drafter = pair
+    with pytest.raises(ValueError, match=r"generate_plain: eos_token_id must be in \[0, 96\], got 97"):
+        generate_plain(target, PROMPTS[:1], 4, eos_token_id=[3, VOCAB])
+    with pytest.raises(TypeError, match="SpeculativeDecoder.generate: eos_token_id must be an int, a sequence"):
+        SpeculativeDecoder(target, drafter, 2).generate(PROMPTS[:1], 4, eos_token_id="3")
+    with pytest.raises(TypeError, match="eos_token_id must be an int, got float 3.0"):
+        generate_plain(target, PROMPTS[:1], 4, eos_token_id=[3.0])
+
+
+def test_stop_ids_of_a_directory(tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 5}))
+    assert stop_ids(tmp_path) == [2, 5, 7]
+    (tmp_path / "generation_config.json").write_text("{")
+    with pytest.raises(CheckpointError, match="generation_config.json: not valid JSON"):
+        stop_ids(tmp_path)
+    from qspec_ext.demo import DEMO_DIR
+
+    assert stop_ids(DEMO_DIR / "target") == [0]  # generation_config, config and the tokenizer's <|endoftext|>
+
+
+# ---------------------------------------------------------------- RoPE configs
+SCALINGS = [
+    None,
+    {"rope_type": "linear", "factor": 2.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "beta_fast": 16.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 8192},
+]
+
+
+@pytest.mark.parametrize("scaling", SCALINGS)
+def test_rope_config_reads_both_spellings_and_keeps_every_field(scaling):
+    new = {"rope_parameters": rope_parameters(5e5, scaling)}
+    old = {"rope_theta": 5e5, **({"rope_scaling": dict(scaling)} if scaling else {})}
+    assert rope_config(new, 1e4) == rope_config(old, 1e4) == (5e5, scaling)
+    if scaling:
+        legacy = {"rope_theta": 5e5, "rope_scaling": {"type": scaling["rope_type"],
+                                                     **{k: v for k, v in scaling.items() if k != "rope_type"}}}
+        assert rope_config(legacy, 1e4) == (5e5, scaling)
+    assert rope_config({}, 1e4) == (1e4, None)
+
+
+@pytest.mark.parametrize("scaling", SCALINGS[1:])
+def test_target_drafter_and_saved_drafter_keep_the_rope_scaling(tmp_path, scaling):
+    hf = make_hf()
+    hf.config.rope_parameters = rope_parameters(10000.0, scaling)
+    hf.save_pretrained(tmp_path / "t")
+    target = NativeTarget.from_pretrained(tmp_path / "t", aux_layer_ids=AUX)
+    assert target.config.rope_scaling == scaling
+    drafter = make_drafter(rope_scaling=scaling)
+    drafter.save_pretrained(tmp_path / "d")
+    saved = json.loads((tmp_path / "d" / "config.json").read_text())["transformer_layer_config"]
+    assert saved["rope_parameters"] == rope_parameters(10000.0, scaling)
+    assert qspec_ext.Eagle3Drafter.from_pretrained(tmp_path / "d", target=target).config.rope_scaling == scaling
