@@ -184,7 +184,7 @@ MUTANTS = [
            (REVIEW + "test_tree_decoding_fits_the_cache_it_asks_for",)),
     Mutant("draft_tree_beam_positions_not_advanced", EAGLE3,
            "positions = (start + step)[:, None].expand(B, topk)", "positions = start[:, None].expand(B, topk)",
-           (REVIEW + "test_draft_tree_beam_sits_at_its_depth_positions",)),
+           (REVIEW + "test_a_topk_one_tree_drafts_the_chain",)),
     Mutant("step_gathers_tree_rows_with_the_chain_stride", DECODE,
            "torch.arange(batch, device=last.device)[:, None] * tokens.shape[1] + path[:, :width]",
            "torch.arange(batch, device=last.device)[:, None] * width + path[:, :width]",
@@ -355,8 +355,9 @@ def main() -> int:
     except Stale as e:
         sys.exit(f"mutants: {e}")
     if args.list:
+        name_width, file_width = (max(len(getattr(m, a)) for m in chosen) for a in ("name", "file"))
         for m in chosen:
-            print(f"{m.name:42} {m.file:34} {' '.join(m.tests)}")
+            print(f"{m.name:{name_width}} {m.file:{file_width}} {' '.join(m.tests)}")
         return 0
 
     rows = []

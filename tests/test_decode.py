@@ -128,7 +128,7 @@ class OracleDrafter:
     wrong token with probability error_rate: mostly accepted, rejected at random positions."""
 
     def __init__(self, drafter, continuations, prompt_lengths, error_rate=0.0, seed=0):
-        self.inner, self.config, self.fc = drafter, drafter.config, drafter.fc
+        self.inner, self.config, self.fc, self.device = drafter, drafter.config, drafter.fc, drafter.device
         self.continuations, self.lengths = continuations, prompt_lengths
         self.error_rate, self.rng = error_rate, random.Random(seed)
         self.calls: list[list[tuple[int, list[int]]]] = []  # per draft call: (continuation index, drafts) per request
@@ -486,7 +486,7 @@ def test_cli_missing_tokenizer(tmp_path, cli_dirs, capsys):
 def test_bad_target_checkpoint(tmp_path):
     make_hf().save_pretrained(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
-    cfg["model_type"] = "llama"
+    cfg["model_type"] = "mistral"
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match=r"config.json: NativeTarget loads dense Qwen3 checkpoints, got model_type='llama'"):
+    with pytest.raises(CheckpointError, match=r"config.json: NativeTarget loads dense qwen3 .*checkpoints, got model_type='mistral'"):
         NativeTarget.from_pretrained(tmp_path)

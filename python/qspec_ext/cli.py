@@ -92,7 +92,7 @@ def stats_table(stats) -> str:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", help="HF Qwen3 checkpoint (directory or hub id, with tokenizer.json); "
+    p.add_argument("--target", help="HF causal LM checkpoint (directory or hub id, with tokenizer.json); "
                                      "default: the shipped demo pair")
     p.add_argument("--draft", help="EAGLE-3 drafter (directory or hub id; speculators or EAGLE format)")
     source = p.add_mutually_exclusive_group(required=True)
@@ -100,7 +100,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     source.add_argument("--prompts", help="a file: one prompt per line, or JSONL with \"prompt\" or \"turns\"")
     source.add_argument("--demo", type=int, metavar="N", help="N held-out code prompts (for the shipped pair)")
     p.add_argument("--chat", action="store_true",
-                   help="format each prompt with the target tokenizer's chat template and stop at its EOS")
+                   help="format each prompt as a user turn in the target tokenizer's chat template")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=None)
@@ -119,7 +119,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-draft-tokens", type=int, default=None,
                    help="draft trees: nodes verified per step (default k * topk)")
     p.add_argument("--compile", action="store_true",
-                   help="compiled static-shape decode steps (torch.compile; CUDA graphs on CUDA); built-in target only")
+                   help="compiled static-shape decode steps (torch.compile; CUDA graphs on CUDA); native target only")
 
 
 def sampling_args(args) -> dict:

@@ -1,6 +1,6 @@
 """The EAGLE-3 drafter (Qwen3 or Llama decoder layers) on the qspec_ext ops.
 
-Forward pass (../shared/docs/eagle3.md section 2), per token pair (target feature, next token):
+Forward pass, per token pair (target feature, next token):
 
     g = concat(aux features)                      normalized by fc_norm / norm_before_fc
     x = fc(g)                                     (draft steps after the first reuse x_next)
