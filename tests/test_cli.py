@@ -83,7 +83,7 @@ def test_bench_repeat_keeps_one_row_per_configuration(capsys):
 
 def test_target_without_draft_is_refused(capsys):
     assert qspec_main(["generate", "--target", str(DEMO_DIR / "target"), "--prompt", "x"]) == 2
-    assert "--target and --draft go together" in capsys.readouterr().err
+    assert "needs a --draft (a named target, tiny or smollm2, brings its own)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("lines,expected", [

@@ -482,3 +482,20 @@ def test_build_info():
         kernels = torch._C._dispatch_dump(f"qspec_ext::{op}")
         assert "CPU: registered" in kernels
         assert ("CUDA: registered" in kernels) == info["cuda_kernels"]
+
+
+def test_cpu_and_cuda_share_the_entry_code():
+    """Every op family's entry points (argument checks, output allocation) are written once, in
+    csrc/<family>_entry.h, which the CPU and the CUDA file both include; neither repeats a check."""
+    from pathlib import Path
+
+    csrc = Path(__file__).resolve().parents[1] / "csrc"
+    for family, checks in {"norm_rope": ("check_rms_norm(", "check_fused_add_rms_norm(", "check_qk_norm_rope(",
+                                         "check_eagle3_input_norm("),
+                           "aux_gather": ("check_gather_aux_hidden(",), "verify": ("check_verify(",)}.items():
+        entry = (csrc / f"{family}_entry.h").read_text()
+        for source in (csrc / "cpu" / f"{family}.cpp", csrc / "cuda" / f"{family}.cu"):
+            text = source.read_text()
+            assert f'#include "{family}_entry.h"' in text, source
+            assert not [c for c in checks if c in text], f"{source} repeats the entry's checks"
+        assert all(c in entry for c in checks)

@@ -274,3 +274,54 @@ def test_target_drafter_and_saved_drafter_keep_the_rope_scaling(tmp_path, scalin
     saved = json.loads((tmp_path / "d" / "config.json").read_text())["transformer_layer_config"]
     assert saved["rope_parameters"] == rope_parameters(10000.0, scaling)
     assert qspec_ext.Eagle3Drafter.from_pretrained(tmp_path / "d", target=target).config.rope_scaling == scaling
+
+
+# ---------------------------------------------------------------- the Llama family, natively
+def make_llama(tie: bool, scaling: dict | None = None, seed: int = 0):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=tie, rms_norm_eps=1e-5,
+        rope_parameters=rope_parameters(1e5, scaling), eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # visible norm weights: a norm applied in the wrong place shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+@pytest.mark.parametrize("tie,scaling", [(False, None), (True, None),
+                                         (True, {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 32})])
+def test_llama_target_matches_transformers(tmp_path, tie, scaling):
+    hf = make_llama(tie, scaling)
+    hf.save_pretrained(tmp_path)
+    target = load_target(tmp_path, aux_layer_ids=AUX)
+    assert type(target) is NativeTarget and not target.config.qk_norm
+    assert not hasattr(target.model.layers[0].self_attn, "q_norm")
+    tokens = torch.randint(0, VOCAB, (2, 40))
+    positions = torch.arange(40).expand(2, 40).clone()
+    positions[1, 30:] = -1
+    target.setup(2, 64)
+    logits = target(tokens, positions)
+    with torch.no_grad():
+        expected = hf(tokens).logits
+        short = hf(tokens[1:, :30]).logits
+    torch.testing.assert_close(logits[0], expected[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[1, :30], short[0], atol=1e-4, rtol=1e-4)
+    # greedy decoding: transformers' generate, plain and speculative decoding agree
+    prompts = PROMPTS[:3]
+    with torch.no_grad():
+        reference = [hf.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)[0, len(p):].tolist()
+                     for p in prompts]
+    assert generate_plain(target, prompts, 16).tokens == reference
+    assert SpeculativeDecoder(target, make_drafter(arch="llama"), 3).generate(prompts, 16).tokens == reference
+
+
+def test_native_target_refuses_what_it_does_not_run(tmp_path):
+    hf = make_llama(False)
+    hf.config.attention_bias = True
+    hf.config.save_pretrained(tmp_path)
+    with pytest.raises(CheckpointError, match="NativeTarget runs bias-free projections, got attention_bias = true"):
+        NativeTarget.from_pretrained(tmp_path)

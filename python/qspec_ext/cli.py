@@ -11,6 +11,7 @@ from functools import partial
 
 import torch
 
+from . import shipped
 from .decode import SpeculativeDecoder, generate_plain, in_batches
 from .models.checkpoint import CheckpointError, read_config, resolve_checkpoint
 from .pair import DTYPES, load_pair
@@ -22,16 +23,23 @@ EXPECTED_ERRORS = (CheckpointError, ValueError, FileNotFoundError, NotADirectory
                    PermissionError)
 
 
-def resolve_models(args) -> None:
-    """--target / --draft as directories (hub ids resolved); both absent: the shipped pair (its
-    P-EAGLE drafter with --parallel)."""
-    if (args.target is None) != (args.draft is None):
-        raise ValueError("--target and --draft go together (or give neither for the shipped demo pair)")
-    if args.target is None:
-        from .demo import DEMO_DIR
+DEFAULT_PAIR = "tiny"
 
-        args.target, args.draft = str(DEMO_DIR / "target"), str(DEMO_DIR / ("draft-parallel" if args.parallel else "draft"))
-    args.target, args.draft = str(resolve_checkpoint(args.target)), str(resolve_checkpoint(args.draft))
+
+def resolve_models(args) -> None:
+    """--target / --draft as directories (hub ids resolved). A named target (tiny, smollm2) brings
+    its shipped drafter (the P-EAGLE one with --parallel) unless --draft is given; no --target:
+    the default pair."""
+    if args.target is None:
+        if args.draft is not None:
+            raise ValueError("--draft needs its --target")
+        args.target = DEFAULT_PAIR
+    if args.draft is None:
+        if args.target not in shipped.NAMES:
+            raise ValueError(f"--target {args.target} needs a --draft (a named target, {' or '.join(shipped.NAMES)}, "
+                             f"brings its own)")
+        args.draft = str(shipped.drafter_dir(args.target, args.parallel))
+    args.target, args.draft = str(shipped.resolve_source(args.target)), str(resolve_checkpoint(args.draft))
     if args.parallel:
         config = read_config(Path(args.draft))
         if config.get("speculators_model_type") != "peagle" and not config.get("parallel_drafting"):
@@ -92,8 +100,9 @@ def stats_table(stats) -> str:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", help="HF causal LM checkpoint (directory or hub id, with tokenizer.json); "
-                                     "default: the shipped demo pair")
+    p.add_argument("--target", help="HF causal LM checkpoint (directory or hub id, with tokenizer.json), or a named "
+                                     f"model ({', '.join(shipped.NAMES)}: with its shipped drafters); default: "
+                                     f"{DEFAULT_PAIR}")
     p.add_argument("--draft", help="EAGLE-3 drafter (directory or hub id; speculators or EAGLE format)")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="one prompt")

