@@ -100,3 +100,30 @@ def test_speculative_decoding_of_smollm2_equals_plain(target, smollm2_dir):
     prompts = [chat_ids(smollm2_dir, [{"role": "user", "content": q}]) for q in QUESTIONS[1:]]
     plain = generate_plain(target, prompts, 10)
     assert SpeculativeDecoder(target, drafter, 3).generate(prompts, 10).tokens == plain.tokens
+
+
+def test_the_heldout_set_has_four_categories_of_twenty_or_more():
+    from qspec_ext.prompts import CATEGORIES, heldout_prompts
+
+    rows = heldout_prompts()
+    assert len(rows) >= 80 and {r["category"] for r in rows} == set(CATEGORIES)
+    assert all(len(heldout_prompts(c)) >= 20 for c in CATEGORIES)
+    assert len({r["prompt"] for r in rows}) == len(rows)
+
+
+def test_training_prompts_are_disjoint_from_the_heldout_set():
+    import json
+    from pathlib import Path
+
+    from qspec_ext.prompts import HeldoutFilter, heldout_prompts
+
+    heldout = HeldoutFilter()
+    first = heldout_prompts()[0]["prompt"]
+    assert heldout.overlaps(first.upper() + "!")  # the filter sees through case and punctuation
+    assert heldout.overlaps("Please: " + " ".join(first.split()[:7]) + " and more")  # and 6 shared words
+    assert not heldout.overlaps("Write a haiku about a lighthouse in winter.")
+    path = Path(__file__).resolve().parents[1] / "data" / "smollm2" / "prompts.jsonl"
+    if not path.is_file():
+        pytest.skip("no training prompts yet (scripts/make_smollm2_data.py writes them)")
+    training = [json.loads(line)["prompt"] for line in path.read_text().splitlines()]
+    assert len(training) > 100 and not [p for p in training if heldout.overlaps(p)]
