@@ -10,8 +10,9 @@ Prompts (prompts.jsonl), deduplicated, filtered, and disjoint from the held-out 
 - coding: "write a function" requests from the Python standard library's documented functions;
 - math: arithmetic word problems from templates with random numbers;
 - summarization: requests to summarize paragraphs of the standard library's module docstrings.
-Answers (answers.jsonl: prompt id, mode, the conversation's token ids) are appended batch by
-batch; a rerun skips what is there, so the run can stop and resume (across sessions too).
+Magpie prompts (magpie.jsonl) and answers (answers.jsonl: prompt id, mode, the conversation's
+token ids) are appended as they come; a rerun skips what is there, so the run can stop
+(--limit-seconds) and resume, across sessions too.
 """
 
 import argparse
@@ -97,38 +98,53 @@ def summarization_prompts(rng: random.Random, count: int) -> list[str]:
     return [f"{rng.choice(asks)}\n\n{p}" for p in paragraphs[:count]]
 
 
-def magpie_prompts(target, directory: Path, count: int, batch: int, seed: int) -> list[str]:
+def magpie_prompts(target, directory: Path, out: Path, count: int, batch: int, seed: int,
+                   deadline: float | None) -> list[str] | None:
     """User turns the target writes after its template's user header (Magpie), sampled; kept
-    when they look like a request (10-300 characters, mostly letters, no template tokens)."""
+    when they look like a request (10-300 characters, mostly letters, no template tokens).
+    Appended to magpie.jsonl round by round (round r samples with seed + r): a rerun resumes.
+    None when the deadline came first."""
     marker = "\u2063"
     full = chat_ids(directory, [{"role": "user", "content": marker}])
     tokenizer = load_tokenizer(directory)
     text = tokenizer.decode(full, skip_special_tokens=False)
     header = tokenizer.encode(text[: text.index(marker)], add_special_tokens=False).ids
     stops = stop_ids(directory)
-    found, round_ = [], 0
-    while len(found) < count and round_ < 4 * count // batch + 8:
+    path = out / "magpie.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    round_ = max((r["round"] for r in rows), default=-1) + 1
+    while len(rows) < count:
+        if deadline is not None and time.time() > deadline:
+            return None
         result = generate_plain(target, [header] * batch, 64, temperature=1.0, top_p=0.98, eos_token_id=stops,
                                 seed=seed + round_)
-        round_ += 1
+        kept = []
         for ids in result.tokens:
             if not ids or ids[-1] not in stops:
                 continue  # unfinished: no end of turn within 64 tokens
             turn = tokenizer.decode(ids[:-1]).strip()
             letters = sum(ch.isalpha() or ch.isspace() for ch in turn)
             if 10 <= len(turn) <= 300 and letters >= 0.8 * len(turn) and "<|" not in turn:
-                found.append(turn)
-        print(f"magpie: {len(found)} / {count}", file=sys.stderr, flush=True)
-    return found[:count]
+                kept.append({"round": round_, "prompt": turn})
+        with path.open("a") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in kept))
+        rows += kept
+        round_ += 1
+        print(f"magpie: {len(rows)} / {count}", file=sys.stderr, flush=True)
+    return [r["prompt"] for r in rows[:count]]
 
 
-def make_prompts(target, directory: Path, out: Path, args) -> list[dict]:
+def make_prompts(target, directory: Path, out: Path, args, deadline: float | None) -> list[dict] | None:
     path = out / "prompts.jsonl"
     if path.is_file():
         return [json.loads(line) for line in path.read_text().splitlines()]
+    out.mkdir(parents=True, exist_ok=True)
+    magpie = magpie_prompts(target, directory, out, args.magpie, args.batch, args.seed, deadline)
+    if magpie is None:
+        return None
     heldout = HeldoutFilter()
     rng = random.Random(args.seed)
-    candidates = [("chat", p) for p in magpie_prompts(target, directory, args.magpie, args.batch, args.seed)]
+    candidates = [("chat", p) for p in magpie]
     candidates += [("coding", p) for p in coding_prompts(rng, args.templated)]
     candidates += [("math", p) for p in math_prompts(rng, args.templated)]
     candidates += [("summarization", p) for p in summarization_prompts(rng, args.templated)]
@@ -158,7 +174,11 @@ def main():
     start = time.time()
     directory = target_dir("smollm2")
     target = load_target("smollm2", dtype=torch.float32)
-    prompts = make_prompts(target, directory, out, args)
+    deadline = None if args.limit_seconds is None else start + args.limit_seconds
+    prompts = make_prompts(target, directory, out, args, deadline)
+    if prompts is None:
+        print("time limit reached while sampling Magpie prompts: rerun to resume", file=sys.stderr)
+        return
     answers = out / "answers.jsonl"
     done = set()
     if answers.is_file():
@@ -171,7 +191,7 @@ def main():
         # similar lengths together: less padding per batch
         rows.sort(key=lambda p: len(p["prompt"]))
         for i in range(0, len(rows), args.batch):
-            if args.limit_seconds is not None and time.time() - start > args.limit_seconds:
+            if deadline is not None and time.time() > deadline:
                 print("time limit reached: rerun to resume", file=sys.stderr)
                 return
             chunk = rows[i : i + args.batch]
