@@ -262,6 +262,12 @@ def test_rope_config_reads_both_spellings_and_keeps_every_field(scaling):
     assert rope_config({}, 1e4) == (1e4, None)
 
 
+def test_rope_config_refuses_per_layer_type_parameters():
+    nested = {"rope_parameters": {"full_attention": {"rope_theta": 1e6}, "sliding_attention": {"rope_theta": 1e4}}}
+    with pytest.raises(ValueError, match=r"rope_parameters per layer type \(full_attention, sliding_attention\)"):
+        rope_config(nested, 1e4)
+
+
 @pytest.mark.parametrize("scaling", SCALINGS[1:])
 def test_target_drafter_and_saved_drafter_keep_the_rope_scaling(tmp_path, scaling):
     hf = make_hf()

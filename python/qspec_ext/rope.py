@@ -13,6 +13,10 @@ def rope_config(config: Mapping, default_theta: float) -> tuple[float, dict | No
     field of the scaling type (None for "default"); the one parser of the target, the drafter and
     the trainer."""
     rope = dict(config.get("rope_parameters") or {})
+    nested = [key for key, value in rope.items() if isinstance(value, Mapping)]
+    if nested:
+        raise ValueError(f"rope_config: rope_parameters per layer type ({', '.join(nested)}) are not supported; "
+                         f"one RoPE for every layer is")
     theta = rope.pop("rope_theta", None)
     if theta is None:
         theta = config.get("rope_theta", default_theta)
