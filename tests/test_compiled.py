@@ -47,7 +47,10 @@ def test_compiling_leaves_the_callers_models_and_dynamo_config_alone(pair):
     generate_plain(target, PROMPTS[:1], 6, compile=True)
     assert target._compiled_call_impl is None and chain._compiled_call_impl is None
     assert torch._dynamo.config.recompile_limit == limit
-    assert "_qspec_compiled" in vars(target) and "_qspec_compiled" in vars(chain)
+    from qspec_ext.compiled import _COMPILED
+
+    assert target in _COMPILED and chain in _COMPILED and not any("compiled" in key for key in vars(target))
+    assert make_drafter() not in _COMPILED
 
 
 @pytest.mark.parametrize("k", range(1, 8))

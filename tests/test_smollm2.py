@@ -35,7 +35,7 @@ def target(smollm2_dir):
 @needs_wheel
 def test_the_cached_directory_is_made_once_per_file(smollm2_dir, monkeypatch, tmp_path):
     assert smollm2_dir.parent == shipped.cache_root()
-    assert smollm2_dir.name == f"smollm2-{shipped.file_hash(GGUF)[:16]}"
+    assert smollm2_dir.name == f"smollm2-{shipped.file_hash(GGUF)[:16]}-v{shipped.CONVERSION_VERSION}"
     assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= {
         p.name for p in smollm2_dir.iterdir()}
 

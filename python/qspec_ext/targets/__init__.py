@@ -16,7 +16,7 @@ from ..models.checkpoint import CheckpointError, read_config
 from ..shipped import resolve_source
 from .base import Capabilities, Target
 from .hf import HFTarget
-from .native import NATIVE_MODEL_TYPES, NativeTarget
+from .native import NATIVE_MODEL_TYPES, NativeTarget, unsupported
 
 __all__ = ["Capabilities", "HFTarget", "NativeTarget", "Target", "load_target"]
 
@@ -26,15 +26,16 @@ def load_target(source, dtype: torch.dtype | None = None, device=None, aux_layer
     """A target from a checkpoint directory, a hub id or a model name ("smollm2", "tiny": see
     :mod:`qspec_ext.shipped`). ``backend``: "native" (:class:`NativeTarget`),
     "transformers" (:class:`HFTarget`), or "auto": native for the model types it runs
-    (:data:`NATIVE_MODEL_TYPES`), transformers for the others."""
+    (:data:`NATIVE_MODEL_TYPES`, without biases or another activation), transformers for the others."""
     if backend not in ("auto", "native", "transformers"):
         raise ValueError(f"load_target: backend must be 'auto', 'native' or 'transformers', got {backend!r}")
     directory = resolve_source(source)
-    model_type = read_config(Path(directory)).get("model_type")
+    config = read_config(Path(directory))
+    model_type = config.get("model_type")
     if backend == "native" and model_type not in NATIVE_MODEL_TYPES:
         raise CheckpointError(f"{directory / 'config.json'}: the native target runs model_type "
                               f"{' | '.join(NATIVE_MODEL_TYPES)}, got {model_type!r} (backend='transformers' runs it)")
-    if backend == "native" or (backend == "auto" and model_type in NATIVE_MODEL_TYPES):
+    if backend == "native" or (backend == "auto" and model_type in NATIVE_MODEL_TYPES and not unsupported(config)):
         return NativeTarget.from_pretrained(directory, dtype=dtype, device=device, aux_layer_ids=aux_layer_ids)
     from transformers import AutoModelForCausalLM
 

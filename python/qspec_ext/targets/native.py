@@ -21,6 +21,16 @@ from .base import Capabilities
 NATIVE_MODEL_TYPES = {"qwen3": (True, 1_000_000.0), "llama": (False, 10_000.0)}
 
 
+def unsupported(cfg: dict) -> str | None:
+    """Why the native target cannot run a config of one of its model types (None: it can)."""
+    biased = [name for name in ("attention_bias", "mlp_bias") if cfg.get(name)]
+    if biased:
+        return f"bias-free projections, got {' and '.join(biased)} = true"
+    if cfg.get("hidden_act", "silu") != "silu":
+        return f"SiLU MLPs, got hidden_act={cfg['hidden_act']!r}"
+    return None
+
+
 @dataclass
 class NativeConfig:
     hidden_size: int
@@ -43,12 +53,9 @@ class NativeConfig:
             raise CheckpointError(f"{source}: NativeTarget loads dense {' | '.join(NATIVE_MODEL_TYPES)} checkpoints, "
                                   f"got model_type={cfg.get('model_type')!r}")
         qk_norm, default_theta = NATIVE_MODEL_TYPES[cfg["model_type"]]
-        biased = [name for name in ("attention_bias", "mlp_bias") if cfg.get(name)]
-        if biased:
-            raise CheckpointError(f"{source}: NativeTarget runs bias-free projections, got {' and '.join(biased)} = true "
-                                  f"(backend='transformers' runs it)")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise CheckpointError(f"{source}: NativeTarget runs SiLU MLPs, got hidden_act={cfg['hidden_act']!r}")
+        reason = unsupported(cfg)
+        if reason:
+            raise CheckpointError(f"{source}: NativeTarget runs {reason} (backend='transformers' runs it)")
         try:
             theta, scaling = rope_config(cfg, default_theta=default_theta)
             return cls(

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 
-pytest.importorskip("vllm")
+pytest.importorskip("vllm.entrypoints.llm")  # the package (a folder named vllm could pass for one)
 
 from qspec_ext import Eagle3Config, Eagle3Drafter, SpeculativeDecoder, generate_plain, load_pair  # noqa: E402
 from qspec_ext.demo import DEMO_DIR  # noqa: E402
