@@ -1,5 +1,8 @@
 """The drafter trainer, and the shipped demo pair."""
 
+import dataclasses
+import json
+
 import pytest
 import torch
 
@@ -8,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 from qspec_ext import Eagle3Drafter, NativeTarget  # noqa: E402
 from qspec_ext.demo import DEMO_DIR, run_demo  # noqa: E402
 from qspec_ext.rope import rope_cos_sin_cache  # noqa: E402
-from qspec_ext.train import TrainConfig, cod_nodes, parallel_forward, train_drafter, ttt_loss, ttt_step  # noqa: E402
+from qspec_ext.train import TrainConfig, Windows, cod_nodes, parallel_forward, train_drafter, ttt_loss, ttt_step  # noqa: E402
 
 CODE = '''
 def add(a, b):
@@ -276,14 +279,14 @@ def test_trainer_learns_every_ttt_step_of_a_predictable_target(tmp_path):
 
 
 def test_regenerated_training_data_is_the_targets_greedy_continuation(tiny_target):
-    from qspec_ext.train import batches, greedy_continuation, regenerated_batches
+    from qspec_ext.train import greedy_continuation, regenerated_batches
 
     target = transformers.AutoModelForCausalLM.from_pretrained(tiny_target / "target").eval()
     prompts = torch.randint(0, target.config.vocab_size, (3, 5))
     expected = target.generate(prompts, max_new_tokens=7, min_new_tokens=7, do_sample=False,
                                attention_mask=torch.ones_like(prompts))
     assert torch.equal(greedy_continuation(target, prompts, 7), expected)
-    windows = batches(list(range(1, 200)), 16, 2, seed=0)
+    windows = Windows(list(range(1, 200)), 16, 2, seed=0)
     served = [next(data) for data in [regenerated_batches(target, windows, 2, pool=2)] for _ in range(4)]
     pool = torch.cat(served[:2])
     assert sorted(map(tuple, pool.tolist())) == sorted(map(tuple, torch.cat(served[2:]).tolist())), "served twice"
@@ -409,3 +412,58 @@ def test_demo_quick(capsys):
     out = capsys.readouterr().out
     assert "greedy speculative output identical to plain decoding: yes" in out
     assert "accept len" in out
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_an_interrupted_run_resumes_to_the_same_drafter(tiny_target, tmp_path, monkeypatch, parallel):
+    """checkpoint_every: a run killed after a checkpoint and started again ends with the drafter,
+    loss history and files an uninterrupted run gives."""
+    config = TrainConfig(steps=6, ttt_steps=2, draft_vocab=120, seq_len=32, batch_size=2, seed=0, parallel=parallel,
+                         parallel_depth=3, checkpoint_every=2)
+    whole, whole_history = train_drafter(tiny_target / "target", [tiny_target / "code.py"], tmp_path / "whole",
+                                         config, progress=False)
+    real_step, steps = torch.optim.AdamW.step, {"n": 0}
+
+    def dies_at_step_5(self, *args, **kwargs):
+        steps["n"] += 1
+        if steps["n"] == 5:
+            raise KeyboardInterrupt("killed")
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", dies_at_step_5)
+    with pytest.raises(KeyboardInterrupt):
+        train_drafter(tiny_target / "target", [tiny_target / "code.py"], tmp_path / "split", config, progress=False)
+    assert (tmp_path / "split" / "checkpoint.pt").is_file()  # written after step 4
+    monkeypatch.setattr(torch.optim.AdamW, "step", real_step)
+    resumed, history = train_drafter(tiny_target / "target", [tiny_target / "code.py"], tmp_path / "split", config,
+                                     progress=False)
+    assert history == whole_history and len(history) == 6
+    for key, value in whole.state_dict().items():
+        torch.testing.assert_close(resumed.state_dict()[key], value, msg=key)
+    assert not (tmp_path / "split" / "checkpoint.pt").exists()  # done: the checkpoint goes
+    assert json.loads((tmp_path / "split" / "history.json").read_text()) == json.loads(
+        json.dumps(whole_history))
+    torch.save(dict(config=config), tmp_path / "split" / "checkpoint.pt")  # another run's checkpoint
+    with pytest.raises(ValueError, match="checkpoint.pt was written with another TrainConfig"):
+        train_drafter(tiny_target / "target", [tiny_target / "code.py"], tmp_path / "split",
+                      dataclasses.replace(config, lr=1e-3), progress=False)
+
+
+def test_jsonl_token_ids_train_like_the_text_they_encode(tiny_target, tmp_path):
+    """Regenerated conversations come as token ids (.jsonl with "ids"): the same tokens as the text
+    train the same drafter."""
+    from qspec_ext.text import load_tokenizer
+
+    ids = load_tokenizer(tiny_target / "target").encode((tiny_target / "code.py").read_text()).ids
+    half = len(ids) // 2
+    (tmp_path / "data.jsonl").write_text(json.dumps({"ids": ids[:half]}) + "\n" + json.dumps({"ids": ids[half:]}) + "\n")
+    config = TrainConfig(steps=2, ttt_steps=1, draft_vocab=120, seq_len=32, batch_size=2, seed=0)
+    from_text, _ = train_drafter(tiny_target / "target", [tiny_target / "code.py"], tmp_path / "a", config,
+                                 progress=False)
+    from_ids, _ = train_drafter(tiny_target / "target", [tmp_path / "data.jsonl"], tmp_path / "b", config,
+                                progress=False)
+    for key, value in from_text.state_dict().items():
+        torch.testing.assert_close(from_ids.state_dict()[key], value, msg=key)
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"text": "x"}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: a JSONL training record needs an \"ids\" list"):
+        train_drafter(tiny_target / "target", [tmp_path / "bad.jsonl"], tmp_path / "c", config, progress=False)

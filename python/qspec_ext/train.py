@@ -10,6 +10,7 @@ target's own greedy continuation (self-distillation: the drafter learns the text
 decoding will ask it to draft).
 """
 
+import json
 import math
 import random
 from collections import Counter
@@ -52,6 +53,9 @@ class TrainConfig:
     # The chain's TTT loss (forward and backward) as one compiled graph; P-EAGLE's sampled node
     # count changes every step, and compiling it with dynamic shapes gained only ~15%: eager.
     compile: bool = False
+    # Every this many steps the whole training state goes to out_dir/checkpoint.pt, and a run
+    # that finds one there resumes from it (a run may span sessions); None: no checkpoints.
+    checkpoint_every: int | None = None
 
 
 def check_train_config(c: TrainConfig) -> None:
@@ -67,6 +71,11 @@ def check_train_config(c: TrainConfig) -> None:
             raise ValueError(f"{where}: aux_layer_ids must be a non-empty list of layer ids, got {c.aux_layer_ids!r}")
         for i in c.aux_layer_ids:
             check_int(where, "aux_layer_ids", i, 0)
+    if c.checkpoint_every is not None:
+        check_int(where, "checkpoint_every", c.checkpoint_every, 1)
+        if c.regenerate:
+            raise ValueError(f"{where}: checkpoint_every does not go with regenerate (its pool of regenerated "
+                             f"windows is not part of a checkpoint); regenerate the data first")
     for name in ("fc_norm", "norm_output", "parallel", "regenerate", "bf16", "compile"):
         check_bool(where, name, getattr(c, name))
     check_float(where, "lr", c.lr, 0.0, low_open=True)
@@ -78,19 +87,36 @@ def check_train_config(c: TrainConfig) -> None:
 
 
 def token_stream(tokenizer, files: list[Path]) -> list[int]:
+    """The training tokens, file after file: text files tokenized, .jsonl files read as token ids
+    (one record per line with "ids": a conversation already tokenized, e.g. the target's
+    regenerated answers of scripts/make_smollm2_data.py)."""
     ids: list[int] = []
-    for path in files:
-        ids.extend(tokenizer.encode(Path(path).read_text(errors="replace")).ids)
+    for path in map(Path, files):
+        if path.suffix == ".jsonl":
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                record = json.loads(line) if line.strip() else {}
+                if not isinstance(record.get("ids"), list):
+                    raise ValueError(f"{path}:{number}: a JSONL training record needs an \"ids\" list of token ids")
+                ids.extend(record["ids"])
+        else:
+            ids.extend(tokenizer.encode(path.read_text(errors="replace")).ids)
     return ids
 
 
-def batches(stream: list[int], seq_len: int, batch_size: int, seed: int):
-    """Endless random windows of seq_len tokens."""
-    rng = random.Random(seed)
-    data = torch.tensor(stream, dtype=torch.long)
-    while True:
-        starts = [rng.randrange(0, len(stream) - seq_len) for _ in range(batch_size)]
-        yield torch.stack([data[s : s + seq_len] for s in starts])
+class Windows:
+    """Endless random windows of seq_len tokens, batch_size at a time; its state (the RNG) is
+    part of a checkpoint, so a resumed run reads the windows an uninterrupted one would."""
+
+    def __init__(self, stream: list[int], seq_len: int, batch_size: int, seed: int):
+        self.data, self.seq_len, self.batch_size = torch.tensor(stream, dtype=torch.long), seq_len, batch_size
+        self.rng = random.Random(seed)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        starts = [self.rng.randrange(0, len(self.data) - self.seq_len) for _ in range(self.batch_size)]
+        return torch.stack([self.data[s : s + self.seq_len] for s in starts])
 
 
 @torch.no_grad()
@@ -362,19 +388,34 @@ def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: 
         optimizer, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s / config.steps, 1.0))))
     cos_sin = rope_cos_sin_cache(config.seq_len + max(config.ttt_steps, config.parallel_depth) + 1, dconfig.head_dim,
                                  dconfig.rope_theta, device=device, scaling=dconfig.rope_scaling)
-    data = batches(stream, config.seq_len, config.batch_size, config.seed)
+    windows = Windows(stream, config.seq_len, config.batch_size, config.seed)
+    data = windows
     if config.regenerate:
-        data = regenerated_batches(target, (b.to(device) for b in data), config.batch_size)
+        data = regenerated_batches(target, (b.to(device) for b in windows), config.batch_size)
     nodes = torch.Generator().manual_seed(config.seed)
+    history = []
+    checkpoint = Path(out_dir) / "checkpoint.pt"
+    if config.checkpoint_every is not None and checkpoint.is_file():
+        state = torch.load(checkpoint, weights_only=False)
+        if state["config"] != config:
+            raise ValueError(f"train_drafter: {checkpoint} was written with another TrainConfig "
+                             f"({state['config']}); remove it or train with that config")
+        drafter.load_state_dict(state["drafter"])
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        windows.rng.setstate(state["windows"])
+        nodes.set_state(state["nodes"])
+        torch.set_rng_state(state["torch"])
+        history = state["history"]
     if config.parallel:
         loss_fn = partial(parallel_loss, config=config, cos_sin=cos_sin, generator=nodes)
     else:
         loss_fn = partial(ttt_loss, ttt_steps=config.ttt_steps, cos_sin=cos_sin)
         if config.compile:
             loss_fn = torch.compile(loss_fn)
-    history = []
-    bar = tqdm(range(config.steps), desc="train-drafter", disable=not progress)
-    for _ in bar:
+    bar = tqdm(range(len(history), config.steps), desc="train-drafter", disable=not progress,
+               initial=len(history), total=config.steps)
+    for step in bar:
         ids = next(data).to(device)
         with torch.no_grad():
             out = target(ids, output_hidden_states=True)
@@ -391,5 +432,14 @@ def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: 
         schedule.step()
         history.append((float(loss.detach()), accuracies.tolist()))
         bar.set_postfix(loss=f"{history[-1][0]:.3f}", acc=" ".join(f"{a:.2f}" for a in history[-1][1]))
+        if config.checkpoint_every is not None and (step + 1) % config.checkpoint_every == 0 and step + 1 < config.steps:
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+            partial_file = checkpoint.with_suffix(".tmp")
+            torch.save(dict(config=config, drafter=drafter.state_dict(), optimizer=optimizer.state_dict(),
+                            schedule=schedule.state_dict(), windows=windows.rng.getstate(), nodes=nodes.get_state(),
+                            torch=torch.get_rng_state(), history=history), partial_file)
+            partial_file.replace(checkpoint)  # a kill mid-write leaves the previous checkpoint
     drafter.save_pretrained(out_dir)
+    (Path(out_dir) / "history.json").write_text(json.dumps(history) + "\n")
+    checkpoint.unlink(missing_ok=True)
     return drafter, history
