@@ -2,7 +2,7 @@
 target's own regenerated answers to them (greedy, and at the card's sampling settings:
 temperature 0.6, top-p 0.95, top-k 20).
 
-    python scripts/make_smollm2_data.py [--out data/smollm2] [--magpie 600] [--batch 16]
+    python scripts/make_smollm2_data.py [--out data/smollm2] [--magpie 600] [--batch 32]
 
 Prompts (prompts.jsonl), deduplicated, filtered, and disjoint from the held-out evaluation set
 (qspec_ext.prompts: heldout.jsonl, written by hand):
@@ -167,7 +167,8 @@ def main():
     parser.add_argument("--out", default=str(REPO / "data" / "smollm2"))
     parser.add_argument("--magpie", type=int, default=600, help="Magpie prompts to sample")
     parser.add_argument("--templated", type=int, default=250, help="templated prompts per category")
-    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=32, help="batch 32: 192 tokens/s eager fp32, 16: 140; "
+                                                                     "compiled 32: 168 (2 cores, 64 new tokens)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--limit-seconds", type=float, default=None, help="stop (resumable) after this long")

@@ -13,6 +13,7 @@ decoding will ask it to draft).
 import json
 import math
 import random
+import time
 from collections import Counter
 from dataclasses import dataclass
 from functools import partial
@@ -56,6 +57,10 @@ class TrainConfig:
     # Every this many steps the whole training state goes to out_dir/checkpoint.pt, and a run
     # that finds one there resumes from it (a run may span sessions); None: no checkpoints.
     checkpoint_every: int | None = None
+    # The drafter learns (and ships) its own embeddings; None: P-EAGLE does (its mask token's row
+    # is learned), a chain drafter borrows the target's. False for P-EAGLE: the mask token keeps
+    # the target's embedding of an id the data never uses and the learned mask_hidden carries it.
+    own_embeddings: bool | None = None
 
 
 def check_train_config(c: TrainConfig) -> None:
@@ -78,6 +83,8 @@ def check_train_config(c: TrainConfig) -> None:
                              f"windows is not part of a checkpoint); regenerate the data first")
     for name in ("fc_norm", "norm_output", "parallel", "regenerate", "bf16", "compile"):
         check_bool(where, name, getattr(c, name))
+    if c.own_embeddings is not None:
+        check_bool(where, "own_embeddings", c.own_embeddings)
     check_float(where, "lr", c.lr, 0.0, low_open=True)
     check_int(where, "parallel_depth", c.parallel_depth, 1)
     check_float(where, "cod_ratio", c.cod_ratio, 0.0, 1.0, low_open=True)
@@ -379,9 +386,9 @@ def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: 
             drafter.t2d.zero_()
             drafter.t2d[ids] = True
             drafter.lm_head.weight.copy_(target.get_output_embeddings().weight[ids])
-    # Chain drafters borrow the target's embeddings; P-EAGLE learns the mask token's, so it keeps its own.
-    drafter.embed_tokens.weight.requires_grad_(config.parallel)
-    drafter.embeddings_borrowed = not config.parallel
+    own = config.parallel if config.own_embeddings is None else config.own_embeddings
+    drafter.embed_tokens.weight.requires_grad_(own)
+    drafter.embeddings_borrowed = not own
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0, betas=(0.9, 0.95))
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -393,7 +400,7 @@ def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: 
     if config.regenerate:
         data = regenerated_batches(target, (b.to(device) for b in windows), config.batch_size)
     nodes = torch.Generator().manual_seed(config.seed)
-    history = []
+    history, seconds_before, started = [], 0.0, time.perf_counter()
     checkpoint = Path(out_dir) / "checkpoint.pt"
     if config.checkpoint_every is not None and checkpoint.is_file():
         state = torch.load(checkpoint, weights_only=False)
@@ -407,6 +414,7 @@ def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: 
         nodes.set_state(state["nodes"])
         torch.set_rng_state(state["torch"])
         history = state["history"]
+        seconds_before = state["seconds"]
     if config.parallel:
         loss_fn = partial(parallel_loss, config=config, cos_sin=cos_sin, generator=nodes)
     else:
@@ -437,9 +445,12 @@ def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: 
             partial_file = checkpoint.with_suffix(".tmp")
             torch.save(dict(config=config, drafter=drafter.state_dict(), optimizer=optimizer.state_dict(),
                             schedule=schedule.state_dict(), windows=windows.rng.getstate(), nodes=nodes.get_state(),
-                            torch=torch.get_rng_state(), history=history), partial_file)
+                            torch=torch.get_rng_state(), history=history,
+                            seconds=seconds_before + time.perf_counter() - started), partial_file)
             partial_file.replace(checkpoint)  # a kill mid-write leaves the previous checkpoint
     drafter.save_pretrained(out_dir)
-    (Path(out_dir) / "history.json").write_text(json.dumps(history) + "\n")
+    # The loss curve and the training time, the runs before a resume included.
+    (Path(out_dir) / "history.json").write_text(json.dumps(
+        {"history": history, "seconds": seconds_before + time.perf_counter() - started}) + "\n")
     checkpoint.unlink(missing_ok=True)
     return drafter, history
