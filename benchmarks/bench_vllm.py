@@ -1,0 +1,180 @@
+"""qspec_ext and vLLM side by side on the same pair, prompts, k, dtype and core count: greedy
+tokens equal, acceptance per position, tokens/s for plain decoding, chain EAGLE-3 and P-EAGLE at
+each batch size. Run it in the vLLM venv (scripts/make_vllm_venv.sh):
+
+    .venv-vllm/bin/python benchmarks/bench_vllm.py [--pair tiny] [--cores 1 2] [--batch 1 4 8] [-k 3]
+        [--rounds 3] [--prompts 8] [--max-new-tokens 96] [--json PATH]
+
+Each measurement is a child process pinned to the first N cores (qspec_ext: torch threads = N;
+vLLM: VLLM_CPU_OMP_THREADS_BIND=0-(N-1), no reserved core), in-process engine, eager; the
+children alternate (qspec_ext, vLLM, qspec_ext, ...) for --rounds rounds, and each figure is the
+median over the rounds with the spread; a speed ratio is the median of each round's ratio.
+Batch B: the prompts B at a time (qspec_ext's in_batches; vLLM with max_num_seqs = B).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+KINDS = ("plain", "chain", "parallel")
+
+
+def prompts_of(pair: str, count: int) -> list[list[int]]:
+    from qspec_ext.demo import demo_prompts
+    from qspec_ext.prompts import heldout_prompts
+    from qspec_ext.shipped import target_dir
+    from qspec_ext.text import chat_ids, load_tokenizer
+
+    if pair == "tiny":
+        tokenizer = load_tokenizer(target_dir("tiny"))
+        return [tokenizer.encode(text).ids for text in demo_prompts(count)]
+    directory = target_dir(pair)
+    return [chat_ids(directory, [{"role": "user", "content": r["prompt"]}]) for r in heldout_prompts()[:count]]
+
+
+def child_qspec(job: dict) -> dict:
+    import torch
+
+    from qspec_ext import SpeculativeDecoder, generate_plain, load_pair
+    from qspec_ext.decode import in_batches
+    from qspec_ext.shipped import drafter_dir
+
+    torch.set_num_threads(job["cores"])
+    prompts, out = job["prompts"], {}
+    target, chain = load_pair(job["pair"], drafter_dir(job["pair"]), dtype=job["dtype"])
+    _, parallel = load_pair(job["pair"], drafter_dir(job["pair"], parallel=True), dtype=job["dtype"])
+    runners = {"plain": lambda **kw: generate_plain(target, **kw),
+               "chain": SpeculativeDecoder(target, chain, job["k"]).generate,
+               "parallel": SpeculativeDecoder(target, parallel, job["k"]).generate}
+    for kind in KINDS:
+        for batch in job["batch"]:
+            def run():
+                return in_batches(lambda p, **kw: runners[kind](prompts=p, **kw), prompts, batch,
+                                  max_new_tokens=job["max_new_tokens"])
+            run()  # warm-up
+            result = run()
+            s = result.stats
+            out[f"{kind}/{batch}"] = dict(tokens_per_second=s.tokens_per_second, tokens=result.tokens,
+                                          acceptance=None if kind == "plain" else s.acceptance_rate_per_position)
+    return out
+
+
+def child_vllm(job: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    from qspec_ext.shipped import drafter_dir, target_dir
+
+    prompts, out = job["prompts"], {}
+    params = SamplingParams(temperature=0, max_tokens=job["max_new_tokens"], ignore_eos=True, detokenize=False)
+    for kind in KINDS:
+        spec = None if kind == "plain" else {"method": "eagle3", "num_speculative_tokens": job["k"],
+                                             "model": str(drafter_dir(job["pair"], parallel=kind == "parallel"))}
+        for batch in job["batch"]:
+            llm = LLM(model=str(target_dir(job["pair"])), skip_tokenizer_init=True, enforce_eager=True,
+                      dtype={"fp32": "float32", "bf16": "bfloat16"}[job["dtype"]], max_num_seqs=batch,
+                      max_model_len=2048, disable_log_stats=False, seed=0, speculative_config=spec)
+
+            def counters():
+                m = {x.name: x for x in llm.get_metrics()}
+                drafts = getattr(m.get("vllm:spec_decode_num_drafts"), "value", 0)
+                per = getattr(m.get("vllm:spec_decode_num_accepted_tokens_per_pos"), "values", [])
+                return drafts, list(per)
+
+            def run():
+                tokens, start = [], time.perf_counter()
+                for i in range(0, len(prompts), batch):
+                    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[i : i + batch]], params,
+                                        use_tqdm=False)
+                    tokens += [list(o.outputs[0].token_ids) for o in outs]
+                return tokens, time.perf_counter() - start
+
+            run()  # warm-up
+            before = counters()
+            tokens, seconds = run()
+            after = counters()
+            drafts = after[0] - before[0]
+            acceptance = None if kind == "plain" or not drafts else [
+                (a - b) / drafts for a, b in zip(after[1], before[1] or [0] * len(after[1]))]
+            out[f"{kind}/{batch}"] = dict(tokens_per_second=sum(map(len, tokens)) / seconds, tokens=tokens,
+                                          acceptance=acceptance)
+            del llm
+    return out
+
+
+def run_child(engine: str, job: dict) -> dict:
+    cores = job["cores"]
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
+               VLLM_CPU_OMP_THREADS_BIND=f"0-{cores - 1}" if cores > 1 else "0", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+               OMP_NUM_THREADS=str(cores))
+    command = ["taskset", "-c", f"0-{cores - 1}", sys.executable, __file__, "--child", engine, json.dumps(job)]
+    proc = subprocess.run(command, capture_output=True, text=True, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        sys.exit(f"bench_vllm: the {engine} child failed:\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        job = json.loads(sys.argv[3])
+        result = child_qspec(job) if sys.argv[2] == "qspec_ext" else child_vllm(job)
+        print("RESULT " + json.dumps(result))
+        return
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pair", default="tiny")
+    parser.add_argument("--cores", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("-k", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args()
+    base = dict(pair=args.pair, prompts=prompts_of(args.pair, args.prompts), k=args.k, batch=args.batch,
+                max_new_tokens=args.max_new_tokens, dtype=args.dtype)
+    runs = {}  # (engine, cores) -> [round results]
+    for round_ in range(args.rounds):
+        for cores in args.cores:
+            for engine in ("qspec_ext", "vllm"):
+                runs.setdefault((engine, cores), []).append(run_child(engine, dict(base, cores=cores)))
+                print(f"round {round_ + 1}/{args.rounds}: {engine} on {cores} core(s) done", file=sys.stderr)
+    rows = []
+    for cores in args.cores:
+        for kind in KINDS:
+            for batch in args.batch:
+                key = f"{kind}/{batch}"
+                ours = [r[key] for r in runs["qspec_ext", cores]]
+                theirs = [r[key] for r in runs["vllm", cores]]
+                rates = [r["tokens_per_second"] for r in ours], [r["tokens_per_second"] for r in theirs]
+                rows.append(dict(cores=cores, kind=kind, batch=batch,
+                                 qspec_tokens_per_second=statistics.median(rates[0]),
+                                 qspec_spread=[min(rates[0]), max(rates[0])],
+                                 vllm_tokens_per_second=statistics.median(rates[1]),
+                                 vllm_spread=[min(rates[1]), max(rates[1])],
+                                 ratio=statistics.median(a / b for a, b in zip(*rates)),
+                                 same_tokens=ours[0]["tokens"] == theirs[0]["tokens"],
+                                 qspec_acceptance=ours[0]["acceptance"], vllm_acceptance=theirs[0]["acceptance"]))
+    print(f"pair {args.pair}, {args.prompts} prompts x {args.max_new_tokens} tokens, greedy, {args.dtype}, k = {args.k}; "
+          f"medians over {args.rounds} alternating rounds (spread min-max); ratio: the median of each round's "
+          f"qspec_ext / vLLM")
+    print(f"{'cores':>5} {'kind':>8} {'batch':>5} {'qspec_ext tok/s':>22} {'vLLM tok/s':>22} {'ratio':>6} "
+          f"{'same':>5}  acceptance per position (qspec_ext | vLLM)")
+    for r in rows:
+        fmt = lambda m, s: f"{m:.0f} ({s[0]:.0f}-{s[1]:.0f})"  # noqa: E731
+        acc = "" if r["kind"] == "plain" else " ".join(f"{a:.2f}" for a in r["qspec_acceptance"] or []) + " | " + \
+            " ".join(f"{a:.2f}" for a in r["vllm_acceptance"] or [])
+        print(f"{r['cores']:>5} {r['kind']:>8} {r['batch']:>5} {fmt(r['qspec_tokens_per_second'], r['qspec_spread']):>22} "
+              f"{fmt(r['vllm_tokens_per_second'], r['vllm_spread']):>22} {r['ratio']:>5.2f}x "
+              f"{'yes' if r['same_tokens'] else 'NO':>5}  {acc}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
