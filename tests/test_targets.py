@@ -333,3 +333,8 @@ def test_native_target_refuses_what_it_does_not_run_and_auto_falls_back(tmp_path
     with pytest.raises(CheckpointError, match="NativeTarget runs bias-free projections, got attention_bias = true"):
         NativeTarget.from_pretrained(tmp_path)
     assert type(load_target(tmp_path)) is HFTarget
+
+
+def test_the_readme_links_nothing_outside_the_repository():
+    readme = (PACKAGE.parents[1] / "README.md").read_text()
+    assert "../shared" not in readme and "](../" not in readme

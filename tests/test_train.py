@@ -467,3 +467,20 @@ def test_jsonl_token_ids_train_like_the_text_they_encode(tiny_target, tmp_path):
     (tmp_path / "bad.jsonl").write_text(json.dumps({"text": "x"}) + "\n")
     with pytest.raises(ValueError, match=r"bad.jsonl:1: a JSONL training record needs an \"ids\" list"):
         train_drafter(tiny_target / "target", [tmp_path / "bad.jsonl"], tmp_path / "c", config, progress=False)
+
+
+def test_a_drafter_trained_for_a_scaled_rope_target_keeps_the_scaling(tiny_target, tmp_path):
+    """A target with yarn RoPE: the trained drafter saves (and trains with) the same scaling, not
+    the default."""
+    import shutil
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_target / "target", target)
+    config = json.loads((target / "config.json").read_text())
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
+    config["rope_parameters"] = {"rope_theta": 10000.0, **scaling}
+    (target / "config.json").write_text(json.dumps(config))
+    train_drafter(target, [tiny_target / "code.py"], tmp_path / "draft",
+                  TrainConfig(steps=1, ttt_steps=1, draft_vocab=120, seq_len=32, batch_size=2), progress=False)
+    saved = json.loads((tmp_path / "draft" / "config.json").read_text())["transformer_layer_config"]
+    assert saved["rope_parameters"] == {"rope_theta": 10000.0, **scaling}
