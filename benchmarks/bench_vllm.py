@@ -71,8 +71,10 @@ def child_vllm(job: dict) -> dict:
     prompts, out = job["prompts"], {}
     params = SamplingParams(temperature=0, max_tokens=job["max_new_tokens"], ignore_eos=True, detokenize=False)
     for kind in KINDS:
+        # P-EAGLE: vLLM drafts in parallel only when asked (else it runs the drafter as a chain).
         spec = None if kind == "plain" else {"method": "eagle3", "num_speculative_tokens": job["k"],
-                                             "model": str(drafter_dir(job["pair"], parallel=kind == "parallel"))}
+                                             "model": str(drafter_dir(job["pair"], parallel=kind == "parallel")),
+                                             "parallel_drafting": kind == "parallel"}
         for batch in job["batch"]:
             llm = LLM(model=str(target_dir(job["pair"])), skip_tokenizer_init=True, enforce_eager=True,
                       dtype={"fp32": "float32", "bf16": "bfloat16"}[job["dtype"]], max_num_seqs=batch,
