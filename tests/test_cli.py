@@ -2,6 +2,8 @@
 MT-bench turns), chat templates, and hub ids resolved through the local cache."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -107,10 +109,20 @@ def test_bad_jsonl_names_the_line(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def chat_pair(tmp_path_factory):
-    """A tiny target whose tokenizer has a chat template and an end-of-turn EOS, and a drafter."""
+    """A tiny target whose tokenizer has a chat template and an end-of-turn EOS, and a drafter;
+    the target always says the EOS."""
+    return make_chat_pair(tmp_path_factory.mktemp("chat"), always_eos=True)
+
+
+@pytest.fixture(scope="module")
+def talking_chat_pair(tmp_path_factory):
+    """The same with random weights: answers of a few tokens."""
+    return make_chat_pair(tmp_path_factory.mktemp("chat-talking"), always_eos=False)
+
+
+def make_chat_pair(root, always_eos: bool):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    root = tmp_path_factory.mktemp("chat")
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.train_from_iterator(["hello world how are you user assistant"] * 20,
@@ -125,8 +137,9 @@ def chat_pair(tmp_path_factory):
                                       max_position_embeddings=128, eos_token_id=None, tie_word_embeddings=False)
     hf = transformers.Qwen3ForCausalLM(config)
     assert fast.eos_token_id == 0
-    with torch.no_grad():  # all logits 0: the target always says token 0, <|end|>: generation must stop there
-        hf.lm_head.weight.zero_()
+    if always_eos:
+        with torch.no_grad():  # all logits 0: the target always says token 0, <|end|>: generation must stop there
+            hf.lm_head.weight.zero_()
     hf.save_pretrained(target_dir)
     fast.save_pretrained(target_dir)
     from qspec_ext import Eagle3Config
@@ -239,3 +252,62 @@ def test_cli_passes_top_k_and_top_p(capsys, monkeypatch):
     monkeypatch.setattr(SpeculativeDecoder, "generate", spy)
     generate_json(["--prompt", "x", "--temperature", "0.7", "--top-k", "5", "--top-p", "0.9", "--seed", "3"], capsys)
     assert (seen[0]["temperature"], seen[0]["top_k"], seen[0]["top_p"], seen[0]["seed"]) == (0.7, 5, 0.9, 3)
+
+
+def test_generate_stream_prints_the_text_as_it_comes(capsys):
+    final = generate_json(["--prompt", "def main():\n"], capsys)["outputs"][0]["text"]
+    assert qspec_main(["generate", "--prompt", "def main():\n", "--max-new-tokens", "4", "-k", "2", "--stream"]) == 0
+    out = capsys.readouterr()
+    assert out.out == final + "\n" and "Mean acceptance length" in out.err
+    assert qspec_main(["generate", "--prompt", "x", "--stream", "--json"]) == 2
+    assert "--stream prints one prompt's text as it comes" in capsys.readouterr().err
+
+
+def test_streamed_tokens_are_the_result_in_order():
+    """on_tokens hands each request its tokens as they are kept: their concatenation is the result."""
+    from qspec_ext import SpeculativeDecoder, generate_plain, load_pair
+
+    target, drafter = load_pair("tiny", DEMO_DIR / "draft")
+    prompts = [[5, 6, 7], [9, 10, 11, 12], [3]]
+    for generate in (SpeculativeDecoder(target, drafter, 3).generate, lambda *a, **kw: generate_plain(target, *a, **kw)):
+        streamed = [[] for _ in prompts]
+        calls = []
+        result = generate(prompts, 20, eos_token_id=[0], on_tokens=lambda b, t: (streamed[b].extend(t), calls.append(b)))
+        assert streamed == result.tokens and len(calls) > len(prompts)
+
+
+def run_chat(target_dir, draft_dir, stdin: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "qspec_ext.cli", "chat", "--target", str(target_dir), "--draft",
+                           str(draft_dir), "--max-new-tokens", "6", "-k", "2"], input=stdin, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_chat_streams_each_turn_of_the_conversation(talking_chat_pair):
+    """Two turns, then /exit: each streamed answer is the greedy answer to the whole conversation so
+    far in the chat template (the second turn sees the first answer)."""
+    from qspec_ext import SpeculativeDecoder, load_pair
+    from qspec_ext.text import chat_ids, load_tokenizer, stop_ids
+
+    target_dir, draft_dir, _ = talking_chat_pair
+    proc = run_chat(target_dir, draft_dir, "hello\nhow are you\n/exit\n")
+    assert proc.returncode == 0, proc.stderr
+    shown = proc.stdout.split("> ")
+    assert shown[0] == "" and shown[-1] == "" and len(shown) == 4
+    target, drafter = load_pair(target_dir, draft_dir)
+    tokenizer, decoder = load_tokenizer(target_dir), SpeculativeDecoder(target, drafter, 2)
+    messages = []
+    for question, answer in zip(["hello", "how are you"], shown[1:3]):
+        messages.append({"role": "user", "content": question})
+        ids = decoder.generate([chat_ids(target_dir, messages)], 6, eos_token_id=stop_ids(target_dir)).tokens[0]
+        expected = tokenizer.decode(ids)
+        assert answer == expected + "\n"
+        messages.append({"role": "assistant", "content": expected})
+    assert proc.stderr.count("tokens/s") == 2
+
+
+def test_chat_ends_a_turn_at_the_eos_and_leaves_at_the_end_of_input(chat_pair):
+    target_dir, draft_dir, _ = chat_pair
+    proc = run_chat(target_dir, draft_dir, "hello\n\nhi again\n")  # no /exit: the end of input (Ctrl-D) leaves
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "> \n> > \n> \n"  # empty answers (the EOS first), a blank line skipped
+    assert proc.stderr.count("[1 tokens,") == 2

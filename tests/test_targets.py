@@ -19,7 +19,8 @@ from qspec_ext.models.checkpoint import CheckpointError  # noqa: E402
 from qspec_ext.rope import rope_config, rope_parameters  # noqa: E402
 from qspec_ext.text import stop_ids  # noqa: E402
 
-PACKAGE = Path(qspec_ext.__file__).parent
+PACKAGE = Path(qspec_ext.__file__).parent  # the package as imported (installed or not)
+REPO = Path(__file__).resolve().parents[1]  # the checkout: pyproject.toml, README.md, python/
 
 
 # ---------------------------------------------------------------- the import graph
@@ -108,13 +109,13 @@ def test_wheel_packages_are_found_not_listed_and_numpy_is_a_dependency():
     dependency: without it torch warns "Failed to initialize NumPy" at every `qspec` start."""
     import tomllib
 
-    text = (PACKAGE.parents[1] / "pyproject.toml").read_text()
+    text = (REPO / "pyproject.toml").read_text()
     project = tomllib.loads(text)
     assert "find" in project["tool"]["setuptools"]["packages"]
     assert "numpy" in project["project"]["dependencies"]
     from setuptools import find_packages
 
-    found = set(find_packages(PACKAGE.parent))
+    found = set(find_packages(REPO / "python"))
     assert {"qspec_ext", "qspec_ext.targets", "qspec_ext.drafting", "qspec_ext.models"} <= found
 
 
@@ -336,5 +337,5 @@ def test_native_target_refuses_what_it_does_not_run_and_auto_falls_back(tmp_path
 
 
 def test_the_readme_links_nothing_outside_the_repository():
-    readme = (PACKAGE.parents[1] / "README.md").read_text()
+    readme = (REPO / "README.md").read_text()
     assert "../shared" not in readme and "](../" not in readme

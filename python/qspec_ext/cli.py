@@ -100,15 +100,16 @@ def stats_table(stats) -> str:
     return "\n".join(lines)
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
+def add_model_args(p: argparse.ArgumentParser, prompts: bool = True) -> None:
     p.add_argument("--target", help="HF causal LM checkpoint (directory or hub id, with tokenizer.json), or a named "
                                      f"model ({', '.join(shipped.NAMES)}: with its shipped drafters); default: "
                                      f"{DEFAULT_PAIR}")
     p.add_argument("--draft", help="EAGLE-3 drafter (directory or hub id; speculators or EAGLE format)")
-    source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--prompt", help="one prompt")
-    source.add_argument("--prompts", help="a file: one prompt per line, or JSONL with \"prompt\" or \"turns\"")
-    source.add_argument("--demo", type=int, metavar="N", help="N held-out code prompts (for the shipped pair)")
+    if prompts:
+        source = p.add_mutually_exclusive_group(required=True)
+        source.add_argument("--prompt", help="one prompt")
+        source.add_argument("--prompts", help="a file: one prompt per line, or JSONL with \"prompt\" or \"turns\"")
+        source.add_argument("--demo", type=int, metavar="N", help="N held-out code prompts (for the shipped pair)")
     p.add_argument("--chat", action="store_true",
                    help="format each prompt as a user turn in the target tokenizer's chat template")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -136,14 +137,51 @@ def sampling_args(args) -> dict:
     return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
 
 
+class TextStream:
+    """``on_tokens`` for one request: prints its text as the tokens arrive (everything decoded so
+    far, less what was printed; an unfinished UTF-8 sequence at the end waits for the next token)."""
+
+    def __init__(self, tokenizer, out=None):
+        self.tokenizer, self.out = tokenizer, out or sys.stdout
+        self.ids: list[int] = []
+        self.printed = ""
+
+    def __call__(self, request: int, tokens: list[int]) -> None:
+        self.ids += tokens
+        text = self.tokenizer.decode(self.ids)
+        if not text.endswith("\ufffd"):
+            self._show(text)
+
+    def finish(self) -> str:
+        text = self.tokenizer.decode(self.ids)
+        self._show(text)
+        return text
+
+    def _show(self, text: str) -> None:
+        self.out.write(text[len(self.printed):])
+        self.out.flush()
+        self.printed = text
+
+
 def cmd_generate(args) -> int:
     resolve_models(args)
     tokenizer = load_tokenizer(args.target)
     texts = read_prompts(args)
+    if args.stream and (len(texts) != 1 or args.json):
+        raise ValueError(f"--stream prints one prompt's text as it comes: got {len(texts)} prompts"
+                         + (" and --json" if args.json else ""))
     prompts, eos = encode_prompts(args, tokenizer, texts)
     target, drafter = load_pair(args.target, args.draft, args.device, args.dtype, args.backend)
     decoder = SpeculativeDecoder(target, drafter, args.k, topk=args.topk, num_draft_tokens=args.num_draft_tokens,
                                  compile=args.compile)
+    if args.stream:
+        stream = TextStream(tokenizer)
+        result = decoder.generate(prompts, args.max_new_tokens, eos_token_id=eos, on_tokens=stream,
+                                  **sampling_args(args))
+        stream.finish()
+        print()
+        print(stats_table(result.stats), file=sys.stderr)
+        return 0
     result = decoder.generate(prompts, args.max_new_tokens, eos_token_id=eos, **sampling_args(args))
     outputs = [tokenizer.decode(ids) for ids in result.tokens]
     if args.json:
@@ -157,6 +195,43 @@ def cmd_generate(args) -> int:
             print(f"--- prompt: {prompt!r}\n{output}")
         print(stats_table(result.stats))
     return 0
+
+
+def cmd_chat(args) -> int:
+    """A conversation in the target's chat template: each answer streamed as the steps accept
+    it; /exit or Ctrl-D (end of input) leaves, Ctrl-C stops the answer being written (and at the
+    prompt, leaves)."""
+    resolve_models(args)
+    tokenizer, stops = load_tokenizer(args.target), stop_ids(args.target)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    chat_ids(args.target, messages + [{"role": "user", "content": "x"}])  # no template: an error before loading
+    target, drafter = load_pair(args.target, args.draft, args.device, args.dtype, args.backend)
+    decoder = SpeculativeDecoder(target, drafter, args.k, topk=args.topk, num_draft_tokens=args.num_draft_tokens,
+                                 compile=args.compile)
+    print(f"qspec chat: {args.target} with {args.draft}, k = {args.k}. /exit or Ctrl-D leaves; Ctrl-C stops an "
+          f"answer.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        if line.strip() == "/exit":
+            return 0
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        stream = TextStream(tokenizer)
+        try:
+            result = decoder.generate([chat_ids(args.target, messages)], args.max_new_tokens, eos_token_id=stops,
+                                      on_tokens=stream, **sampling_args(args))
+            note = (f"[{result.stats.num_generated_tokens} tokens, {result.stats.tokens_per_second:.1f} tokens/s, "
+                    f"acceptance length {result.stats.mean_acceptance_length:.2f}]")
+        except KeyboardInterrupt:
+            note = "[stopped]"
+        messages.append({"role": "assistant", "content": stream.finish()})
+        print()
+        print(note, file=sys.stderr)
 
 
 def cmd_bench(args) -> int:
@@ -288,7 +363,13 @@ def main(argv: list[str] | None = None) -> int:
     gen = commands.add_parser("generate", help="generate text with speculative decoding")
     add_model_args(gen)
     gen.add_argument("-k", type=int, default=3, help="draft tokens per step")
+    gen.add_argument("--stream", action="store_true", help="print the text as each step accepts it (one prompt)")
     gen.set_defaults(run=cmd_generate)
+    chat = commands.add_parser("chat", help="an interactive conversation in the target's chat template, streamed")
+    add_model_args(chat, prompts=False)
+    chat.add_argument("-k", type=int, default=3, help="draft tokens per step")
+    chat.add_argument("--system", help="a system message to start the conversation with")
+    chat.set_defaults(run=cmd_chat, chat=True, max_new_tokens=512)
     bench = commands.add_parser("bench", help="speculative vs plain decoding on the same prompts")
     add_model_args(bench)
     bench.add_argument("-k", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7], help="draft lengths to try")

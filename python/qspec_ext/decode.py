@@ -12,7 +12,7 @@ the prompt prefill through the models' compiled forwards (compiled.py).
 """
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -168,11 +168,19 @@ class _StopIds:
         return torch.where(torch.isin(tokens, self.ids), columns, width).min(dim=1).values
 
 
-def _finish(generated: list[int], new: list[int], max_new_tokens: int, stop: int) -> bool:
+# on_tokens(request index, the tokens it just gained): called as each step's tokens are kept
+# (streaming), in order; the concatenation per request is its GenerateResult.tokens entry.
+TokenCallback = Callable[[int, list[int]], None]
+
+
+def _finish(generated: list[int], new: list[int], max_new_tokens: int, stop: int,
+            on_tokens: TokenCallback | None = None, request: int = 0) -> bool:
     """Appends ``new[: stop + 1]`` (``stop``: the index of a stop id in ``new``, or len(new) if
     none) up to max_new_tokens; True when the request is done."""
     kept = new[: min(stop + 1, max_new_tokens - len(generated))]
     generated.extend(kept)
+    if on_tokens is not None and kept:
+        on_tokens(request, kept)
     return stop < len(new) or len(generated) >= max_new_tokens
 
 
@@ -187,9 +195,10 @@ def _read_tokens(rows: torch.Tensor, stops: _StopIds, skip: int = 0) -> tuple[li
 def generate_plain(target, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
                    top_k: int | None = None, top_p: float | None = None,
                    eos_token_id: int | Sequence[int] | None = None, seed: int = 0, max_length: int | None = None,
-                   compile: bool = False) -> GenerateResult:
+                   compile: bool = False, on_tokens: TokenCallback | None = None) -> GenerateResult:
     """Ordinary decoding with the target alone (one forward per token): the baseline. Each
-    request stops at max_new_tokens or after any of the ``eos_token_id`` ids.
+    request stops at max_new_tokens or after any of the ``eos_token_id`` ids; ``on_tokens``
+    streams each request's tokens as they come.
     ``compile``: the target's forward runs as static-shape graphs (compiled.py)."""
     if compile:
         check_compilable("generate_plain", target)
@@ -199,11 +208,11 @@ def generate_plain(target, prompts: list[list[int]], max_new_tokens: int, temper
         return _nothing_to_generate(prompts)
     with compiling(compile):
         return _generate_plain(target, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids, seed,
-                               max_length, compile)
+                               max_length, compile, on_tokens)
 
 
 def _generate_plain(target, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids, seed, max_length,
-                    compile) -> GenerateResult:
+                    compile, on_tokens) -> GenerateResult:
     device = target.device
     forward = compiled_method(target, "forward") if compile else target
     start = time.perf_counter()
@@ -215,7 +224,7 @@ def _generate_plain(target, prompts, max_new_tokens, temperature, top_k, top_p, 
     next_token = sampler.pick(forward(tokens, positions, last_only=True))
     generated: list[list[int]] = [[] for _ in prompts]
     new, stop = _read_tokens(next_token[:, None], stops)
-    done = [_finish(g, n, max_new_tokens, s) for g, n, s in zip(generated, new, stop)]
+    done = [_finish(g, n, max_new_tokens, s, on_tokens, b) for b, (g, n, s) in enumerate(zip(generated, new, stop))]
     first_token_time = time.perf_counter() - start
     position = torch.tensor([len(p) for p in prompts], device=device)
     while not all(done):
@@ -225,7 +234,7 @@ def _generate_plain(target, prompts, max_new_tokens, temperature, top_k, top_p, 
         new, stop = _read_tokens(next_token[:, None], stops)
         for b in range(batch):
             if not done[b]:
-                done[b] = _finish(generated[b], new[b], max_new_tokens, stop[b])
+                done[b] = _finish(generated[b], new[b], max_new_tokens, stop[b], on_tokens, b)
         position = position + 1
     stats = SpecDecodeStats(num_generated_tokens=sum(map(len, generated)), num_requests=batch,
                             wall_time=time.perf_counter() - start, first_token_time=first_token_time)
@@ -261,19 +270,22 @@ class SpeculativeDecoder:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None,
-                 eos_token_id: int | Sequence[int] | None = None, seed: int = 0) -> GenerateResult:
+                 eos_token_id: int | Sequence[int] | None = None, seed: int = 0,
+                 on_tokens: TokenCallback | None = None) -> GenerateResult:
         """Tokens for each prompt, up to max_new_tokens or through the first of the
         ``eos_token_id`` ids (one, or several: an instruct model's list); a stop id inside an
-        accepted run ends the request there."""
+        accepted run ends the request there. ``on_tokens(request, tokens)`` streams what each
+        step accepts."""
         margin = self.drafting.cache_margin  # positions past the new tokens that drafts may use
         prompts, _, stop_ids = _check_call("SpeculativeDecoder.generate", self.target, prompts, max_new_tokens,
                                            margin, self.max_length, temperature, top_k, top_p, eos_token_id, seed)
         if max_new_tokens == 0:
             return _nothing_to_generate(prompts)
         with compiling(self.compiled):
-            return self._generate(prompts, max_new_tokens, temperature, top_k, top_p, stop_ids, seed)
+            return self._generate(prompts, max_new_tokens, temperature, top_k, top_p, stop_ids, seed, on_tokens)
 
-    def _generate(self, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids, seed) -> GenerateResult:
+    def _generate(self, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids, seed,
+                  on_tokens) -> GenerateResult:
         target, drafter, drafting = self.target, self.drafter, self.drafting
         margin = drafting.cache_margin
         device = drafter.device
@@ -296,7 +308,7 @@ class SpeculativeDecoder:
         first = sampler.pick(self.target_forward(tokens, positions, last_only=True))
         generated: list[list[int]] = [[] for _ in prompts]
         new, stop = _read_tokens(first[:, None], stops)
-        done = [_finish(g, n, max_new_tokens, s) for g, n, s in zip(generated, new, stop)]
+        done = [_finish(g, n, max_new_tokens, s, on_tokens, b) for b, (g, n, s) in enumerate(zip(generated, new, stop))]
         stats.first_token_time = time.perf_counter() - start
         lengths = torch.tensor([len(p) for p in prompts], device=device)
         pair_tokens = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)
@@ -329,7 +341,7 @@ class SpeculativeDecoder:
                 stats.num_accepted_tokens += n
                 for i in range(n):
                     stats.accepted_per_position[i] += 1
-                done[b] = _finish(generated[b], out_host[b][: n + 1], max_new_tokens, stop[b])
+                done[b] = _finish(generated[b], out_host[b][: n + 1], max_new_tokens, stop[b], on_tokens, b)
         stats.num_generated_tokens = sum(map(len, generated))
         stats.wall_time = time.perf_counter() - start
         return GenerateResult(generated, stats)
