@@ -64,12 +64,13 @@ class Mutant:
 MUTANTS = [
     Mutant("position_not_advanced_by_accepted", DECODE,
            "position + accepted + 1", "position + 1", (LOSSLESS,)),
-    Mutant("eos_only_at_end_of_run", DECODE,
-           "    kept = new[: min(stop + 1, max_new_tokens - len(generated))]\n    generated.extend(kept)\n"
-           "    return stop < len(new) or len(generated) >= max_new_tokens",
-           "    kept = new[: max_new_tokens - len(generated)]\n    generated.extend(kept)\n"
-           "    return stop == len(new) - 1 or len(generated) >= max_new_tokens",
+    Mutant("tokens_after_the_stop_id_kept", DECODE,
+           "    kept = new[: min(stop + 1, max_new_tokens - len(generated))]",
+           "    kept = new[: max_new_tokens - len(generated)]",
            (DEC + "test_eos_inside_an_accepted_run_stops_there",)),
+    Mutant("stream_hands_the_unkept_tokens", DECODE,  # on_tokens must see what the result keeps
+           "        on_tokens(request, kept)", "        on_tokens(request, new)",
+           ("tests/test_cli.py::test_streamed_tokens_are_the_result_in_order",)),
     Mutant("sampler_ignores_temperature", DECODE,
            "logits.float() / self.temperature", "logits.float()", (SAMPLED + "[0.5-3-None]",)),
     Mutant("sampler_ignores_top_k_top_p", DECODE,
