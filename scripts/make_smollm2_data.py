@@ -185,7 +185,11 @@ def main():
     answers = out / "answers.jsonl"
     done = set()
     if answers.is_file():
-        done = {(r["id"], r["mode"]) for r in map(json.loads, answers.read_text().splitlines())}
+        text = answers.read_text()
+        if text and not text.endswith("\n"):  # a run killed mid-write: drop its unfinished line
+            text = text[: text.rfind("\n") + 1]
+            answers.write_text(text)
+        done = {(r["id"], r["mode"]) for r in map(json.loads, text.splitlines())}
     stops = stop_ids(directory)
     print(f"{len(prompts)} prompts, {len(done)} of {2 * len(prompts)} answers done", file=sys.stderr)
     # Fixed batches (similar lengths together: less padding), each written whole and seeded by its
@@ -203,10 +207,10 @@ def main():
             sampling = SAMPLING if mode == "sampled" else {}
             result = generate_plain(target, ids, args.max_new_tokens, eos_token_id=stops, seed=args.seed + i,
                                     **sampling)
-            with answers.open("a") as f:
-                for p, prompt_ids, answer in zip(chunk, ids, result.tokens):
-                    f.write(json.dumps({"id": p["id"], "mode": mode, "prompt_length": len(prompt_ids),
-                                        "ids": prompt_ids + answer}) + "\n")
+            with answers.open("a") as f:  # the batch in one write
+                f.write("".join(json.dumps({"id": p["id"], "mode": mode, "prompt_length": len(prompt_ids),
+                                            "ids": prompt_ids + answer}) + "\n"
+                                for p, prompt_ids, answer in zip(chunk, ids, result.tokens)))
             print(f"{mode}: {i + len(chunk)} / {len(rows)} ({result.stats.tokens_per_second:.0f} tokens/s)",
                   file=sys.stderr, flush=True)
 
