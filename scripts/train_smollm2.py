@@ -37,7 +37,8 @@ COMMON = dict(draft_vocab=8192, arch="qwen3", seq_len=256, batch_size=2, lr=1e-3
 def data_complete() -> bool:
     prompts = (DATA / "prompts.jsonl").read_text().splitlines() if (DATA / "prompts.jsonl").is_file() else []
     answers = (DATA / "answers.jsonl").read_text().splitlines() if (DATA / "answers.jsonl").is_file() else []
-    return bool(prompts) and len(answers) == 2 * len(prompts)
+    done = {(r["id"], r["mode"]) for r in map(json.loads, answers)}  # a rerun batch may repeat rows
+    return bool(prompts) and len(done) == 2 * len(prompts)
 
 
 def train_part(name: str, config: TrainConfig, curves: dict, shipped: Path) -> None:
