@@ -2,12 +2,6 @@
 venv: scripts/make_vllm_venv.sh; skipped where vllm is absent). Each vLLM engine runs in a child
 process (in-process engine, eager), one per drafter kind."""
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
 
@@ -16,40 +10,10 @@ pytest.importorskip("vllm.entrypoints.llm")  # the package (a folder named vllm 
 from qspec_ext import Eagle3Config, Eagle3Drafter, SpeculativeDecoder, generate_plain, load_pair  # noqa: E402
 from qspec_ext.demo import DEMO_DIR  # noqa: E402
 
+from engine import run_vllm  # noqa: E402
+
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22, 23, 24, 25, 26, 27, 28], [40, 41, 42, 43]]
 NEW_TOKENS, K = 24, 3
-
-VLLM_SCRIPT = textwrap.dedent("""
-    import json, sys
-    from vllm import LLM, SamplingParams
-
-    def main():
-        target, draft, prompts, new_tokens, k, parallel = json.loads(sys.argv[1])
-        llm = LLM(model=target, skip_tokenizer_init=True, enforce_eager=True, dtype="float32", max_model_len=256,
-                  disable_log_stats=False, seed=0,
-                  speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": k,
-                                      "parallel_drafting": parallel})
-        out = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, detokenize=False))
-        metrics = {m.name: getattr(m, "value", getattr(m, "values", None)) for m in llm.get_metrics()}
-        print("RESULT " + json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in out],
-                                      "drafts": metrics.get("vllm:spec_decode_num_drafts"),
-                                      "per_position": metrics.get("vllm:spec_decode_num_accepted_tokens_per_pos")}))
-
-    if __name__ == "__main__":
-        main()
-""")
-
-
-def run_vllm(target, draft, tmp_path, parallel: bool) -> dict:
-    script = tmp_path / "run_vllm.py"
-    script.write_text(VLLM_SCRIPT)
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
-    proc = subprocess.run([sys.executable, str(script), json.dumps([str(target), str(draft), PROMPTS, NEW_TOKENS, K, parallel])],
-                          capture_output=True, text=True, env=env, timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT "):])
 
 
 def random_drafter(arch: str, **flags) -> Eagle3Drafter:
@@ -94,7 +58,8 @@ def test_saved_drafters_load_in_vllm_and_decode_the_same_tokens(kind, tmp_path):
     spec = SpeculativeDecoder(target, ours, K).generate(PROMPTS, NEW_TOKENS)
     assert spec.tokens == plain
     # P-EAGLE drafters draft in parallel in vLLM only when asked (parallel_drafting), as here.
-    result = run_vllm(target_dir, draft_dir, tmp_path, parallel=ours.config.parallel_drafting)
+    result = run_vllm(target_dir, draft_dir, tmp_path, PROMPTS, NEW_TOKENS, K,
+                      parallel=ours.config.parallel_drafting, plugin=False)
     assert result["tokens"] == plain
     if kind.startswith("shipped"):  # the same drafter, the same acceptance (within a few drafts)
         theirs = [n / result["drafts"] for n in result["per_position"]]

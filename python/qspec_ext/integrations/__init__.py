@@ -1,0 +1,1 @@
+"""Integrations with serving engines (imported only by them: nothing in qspec_ext imports these)."""

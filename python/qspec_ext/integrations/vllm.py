@@ -1,0 +1,365 @@
+"""qspec_ext's kernels inside vLLM: a general plugin (entry point group ``vllm.general_plugins``).
+
+vLLM calls :func:`register` once in every process (main, engine core, each worker) before it
+builds a model. Each seam below is on by default; ``QSPEC_VLLM_DISABLE`` turns some off (a comma
+list of seam names, or ``all``). The seams:
+
+- ``rms_norm``: ``vllm.ir`` providers for ``rms_norm`` and ``fused_add_rms_norm`` (first in the
+  platform's default priority; a user's ``ir_op_priority`` still comes first);
+- ``rope``: ``RotaryEmbedding`` (plain RoPE) on ``qk_norm_rope_`` without norm weights, where q and
+  k are views of one packed QKV buffer (Llama-style attention);
+- ``qk_norm_rope``: ``Qwen3Attention.forward`` with the per-head q/k RMSNorm and RoPE in one
+  ``qk_norm_rope_`` pass (the KV-cache write stays with vLLM's paged attention);
+- ``aux_gather``: the EAGLE-3 drafters' ``combine_hidden_states`` on ``gather_aux_hidden`` where a
+  norm comes before ``fc`` (``norm_before_fc`` or ``fc_norm``; without one there is nothing to fuse);
+- ``rejection_sampler``: verification on ``verify_greedy`` / ``verify_sampling`` (ragged drafts,
+  greedy and random rows; temperature, top-k and top-p applied as vLLM applies them). It defers to
+  vLLM's own sampler for what it does not implement: logprobs, penalties, bad words, allowed-token
+  masks, active logits processors (min-p, logit bias, min tokens), per-request seeds, draft
+  probabilities, synthetic acceptance.
+
+Where a seam's call does not fit (dtype, layout, device, scaling), vLLM's own code runs. ``CALLS``
+counts, per process, the calls each seam took (and the sampler's deferrals).
+"""
+
+import os
+from collections import Counter
+
+import torch
+from torch import Tensor
+
+SEAMS = ("rms_norm", "rope", "qk_norm_rope", "aux_gather", "rejection_sampler")
+DISABLE_ENV = "QSPEC_VLLM_DISABLE"
+TESTED_VLLM = ((0, 32), (0, 33))  # [first, last) minor versions the seams were written against
+PROVIDER = "qspec_ext"
+CALLS: Counter = Counter()
+_state = {"seams": None}
+
+
+def _logger():
+    from vllm.logger import init_logger
+
+    return init_logger("vllm.plugins.qspec_ext")
+
+
+def enabled_seams() -> tuple[str, ...]:
+    """The seams to install: all of them, less those named in ``QSPEC_VLLM_DISABLE``."""
+    names = {n.strip() for n in os.environ.get(DISABLE_ENV, "").split(",") if n.strip()}
+    unknown = names - set(SEAMS) - {"all"}
+    if unknown:
+        raise ValueError(f"{DISABLE_ENV}: unknown seam(s) {sorted(unknown)}; expected 'all' or a comma list of "
+                         f"{', '.join(SEAMS)}")
+    return () if "all" in names else tuple(s for s in SEAMS if s not in names)
+
+
+def incompatibility(vllm_version: str, torch_version: str, built_with_torch: str) -> str | None:
+    """Why the seams must not be installed (None: they may)."""
+    try:
+        major, minor = (int(p) for p in vllm_version.split(".")[:2])
+    except ValueError:
+        return f"unrecognized vLLM version {vllm_version!r}"
+    first, last = TESTED_VLLM
+    if not first <= (major, minor) < last:
+        return (f"vLLM {vllm_version} is outside the tested range {first[0]}.{first[1]} to "
+                f"{last[0]}.{last[1] - 1}")
+    if torch_version.split("+")[0] != built_with_torch.split("+")[0]:
+        return (f"qspec_ext was built with torch {built_with_torch}, this process runs torch {torch_version} "
+                "(rebuild it here: pip install --no-build-isolation qspec_ext)")
+    return None
+
+
+def register() -> None:
+    """vLLM's entry point: installs the enabled seams once per process, or logs why not."""
+    if _state["seams"] is not None:
+        return
+    import vllm
+
+    from .. import _C
+
+    log = _logger()
+    problem = incompatibility(vllm.__version__, torch.__version__, _C.built_with_torch)
+    if problem:
+        _state["seams"] = ()
+        log.warning("qspec_ext: leaving vLLM stock: %s", problem)
+        return
+    seams = []
+    for name in enabled_seams():
+        try:
+            _INSTALL[name]()
+            seams.append(name)
+        except Exception as error:  # one seam that does not fit this vLLM build leaves that part stock
+            log.warning("qspec_ext: seam %s left stock: %s: %s", name, type(error).__name__, error)
+    _state["seams"] = tuple(seams)
+    log.info("qspec_ext: seams on: %s (%s=... turns them off)", ", ".join(seams) or "none", DISABLE_ENV)
+
+
+def installed_seams() -> tuple[str, ...]:
+    return _state["seams"] or ()
+
+
+def _our_device(t: torch.Tensor) -> bool:
+    from .. import _C
+
+    return t.device.type == "cpu" or (t.device.type == "cuda" and bool(_C.with_cuda))
+
+
+def _fits_rows(x: torch.Tensor) -> bool:
+    """Our row kernels need a contiguous last dim and leading dims that flatten without a copy."""
+    return x.stride(-1) == 1 and (x.dim() <= 2 or x.is_contiguous())
+
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# ---- (a) norms: vllm.ir providers --------------------------------------------------------------
+def _install_rms_norm() -> None:
+    from vllm import ir
+    from vllm.platforms import current_platform
+
+    from .. import ops
+
+    def fits(x, weight, epsilon, variance_size=None) -> bool:
+        return (weight is not None and variance_size is None and x.dtype in _DTYPES and weight.dtype == x.dtype
+                and weight.is_contiguous() and _our_device(x) and _fits_rows(x))
+
+    def fits_add(x, x_residual, weight, epsilon, variance_size=None) -> bool:
+        return (fits(x, weight, epsilon, variance_size) and x_residual.dtype == x.dtype
+                and x_residual.shape == x.shape and _fits_rows(x_residual))
+
+    @ir.ops.rms_norm.register_impl(PROVIDER, supports_args=fits)
+    def rms_norm(x: Tensor, weight: Tensor | None, epsilon: float, variance_size: int | None = None) -> Tensor:
+        CALLS["rms_norm"] += 1
+        return ops.rms_norm(x, weight, epsilon)
+
+    @ir.ops.fused_add_rms_norm.register_impl(PROVIDER, supports_args=fits_add, inplace=True)
+    def fused_add_rms_norm(x: Tensor, x_residual: Tensor, weight: Tensor | None, epsilon: float,
+                           variance_size: int | None = None) -> tuple[Tensor, Tensor]:
+        CALLS["fused_add_rms_norm"] += 1
+        ops.fused_add_rms_norm_(x, x_residual, weight, epsilon)
+        return x, x_residual
+
+    platform = type(current_platform)
+    stock = platform.get_default_ir_op_priority
+
+    def with_ours(cls, vllm_config):
+        priority = stock(vllm_config)
+        for op in ("rms_norm", "fused_add_rms_norm"):
+            setattr(priority, op, [PROVIDER, *[p for p in getattr(priority, op) if p != PROVIDER]])
+        return priority
+
+    platform.get_default_ir_op_priority = classmethod(with_ours)
+
+
+# ---- (b) RoPE on the packed QKV buffer ---------------------------------------------------------
+def _packed_qkv(query: torch.Tensor, key: torch.Tensor | None, num_heads_kv: int, head_dim: int):
+    """The [T, (Hq + 2 Hkv) D] buffer q and k are views of (split of one projection), or None."""
+    if key is None or query.dim() != 2 or key.dim() != 2 or query.stride(-1) != 1 or key.stride(-1) != 1:
+        return None
+    if query.stride(0) != key.stride(0) or query.dtype != key.dtype or query.shape[0] != key.shape[0]:
+        return None
+    width = query.shape[1] + 2 * num_heads_kv * head_dim
+    if key.data_ptr() != query.data_ptr() + query.shape[1] * query.element_size() or query.stride(0) != width:
+        return None
+    return query.as_strided((query.shape[0], width), (width, 1))
+
+
+def _rope_fits(rope, positions: torch.Tensor, qkv: torch.Tensor) -> bool:
+    return (qkv.dtype in _DTYPES and _our_device(qkv) and positions.dim() == 1
+            and positions.shape[0] == qkv.shape[0] and rope.rotary_dim <= rope.head_size)
+
+
+def _install_rope() -> None:
+    from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+
+    from .. import ops
+
+    @RotaryEmbedding.register_oot(name="RotaryEmbedding")
+    class QspecRotaryEmbedding(RotaryEmbedding):
+        def _ours(self, stock, positions, query, key=None):
+            head_dim = self.head_size
+            qkv = None
+            if key is not None and query.dim() == 2 and query.shape[-1] % head_dim == 0:
+                qkv = _packed_qkv(query, key, key.shape[-1] // head_dim, head_dim)
+            if qkv is None or not _rope_fits(self, positions, qkv):
+                return stock(self, positions, query, key)
+            CALLS["rope"] += 1
+            ops.qk_norm_rope_(qkv, None, None, self._match_cos_sin_cache_dtype(query), positions,
+                              query.shape[-1] // head_dim, key.shape[-1] // head_dim, head_dim, 1e-6,
+                              self.is_neox_style)
+            return query, key
+
+        def forward_cpu(self, positions, query, key=None):
+            return self._ours(RotaryEmbedding.forward_cpu, positions, query, key)
+
+        def forward_cuda(self, positions, query, key=None):
+            return self._ours(RotaryEmbedding.forward_cuda, positions, query, key)
+
+
+# ---- (c) Qwen3 attention: q/k norm + RoPE in one pass ------------------------------------------
+def _plain_rope(rope) -> bool:
+    from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+
+    return type(rope) is RotaryEmbedding or type(rope).__name__ == "QspecRotaryEmbedding"
+
+
+def _install_qk_norm_rope() -> None:
+    from vllm.model_executor.models.qwen3 import Qwen3Attention
+
+    from .. import ops
+
+    stock = Qwen3Attention.forward
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        rope, q_norm, k_norm = self.rotary_emb, self.q_norm, self.k_norm
+        if not (_plain_rope(rope) and q_norm.variance_epsilon == k_norm.variance_epsilon
+                and q_norm.variance_size_override is None and k_norm.variance_size_override is None
+                and getattr(q_norm, "has_weight", True) and getattr(k_norm, "has_weight", True)):
+            return stock(self, positions, hidden_states)
+        qkv, _ = self.qkv_proj(hidden_states)
+        if not (qkv.dim() == 2 and qkv.is_contiguous() and _rope_fits(rope, positions, qkv)
+                and q_norm.weight.dtype == qkv.dtype and k_norm.weight.dtype == qkv.dtype):
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q_norm(q.view(*q.shape[:-1], -1, self.head_dim)).view(q.shape)
+            k = k_norm(k.view(*k.shape[:-1], -1, self.head_dim)).view(k.shape)
+            q, k = rope(positions, q, k)
+        else:
+            CALLS["qk_norm_rope"] += 1
+            ops.qk_norm_rope_(qkv, q_norm.weight, k_norm.weight, rope._match_cos_sin_cache_dtype(qkv), positions,
+                              self.num_heads, self.num_kv_heads, self.head_dim, q_norm.variance_epsilon,
+                              rope.is_neox_style)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        output, _ = self.o_proj(self.attn(q, k, v))
+        return output
+
+    Qwen3Attention.forward = forward
+
+
+# ---- (d) EAGLE-3 fc input ----------------------------------------------------------------------
+def _install_aux_gather() -> None:
+    from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
+    from vllm.model_executor.models.qwen3_eagle3 import Eagle3Qwen3ForCausalLM
+
+    from .. import ops
+
+    def patch(cls, count_attr: str) -> None:
+        stock = cls.combine_hidden_states
+
+        def combine_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            model = self.model
+            fc_norm = getattr(model, "fc_norm", None)
+            if not model.use_aux_hidden_state or not (model.norm_before_fc or fc_norm is not None):
+                return stock(self, hidden_states)
+            if model.norm_before_fc:
+                mode, norm_weight, eps = "norm_before_fc", model.input_norm.weight, model.input_norm.variance_epsilon
+                count = getattr(model, count_attr)
+            else:
+                mode, count, eps = "fc_norm", len(fc_norm), fc_norm[0].variance_epsilon
+                norm_weight = torch.stack([n.weight for n in fc_norm])
+            fits = (hidden_states.dim() == 2 and hidden_states.stride(-1) == 1 and hidden_states.dtype in _DTYPES
+                    and _our_device(hidden_states) and hidden_states.shape[-1] % count == 0
+                    and norm_weight.dtype == hidden_states.dtype
+                    and (mode == "norm_before_fc" or all(n.variance_epsilon == eps for n in fc_norm)))
+            if not fits:
+                return stock(self, hidden_states)
+            CALLS["aux_gather"] += 1
+            rows = torch.arange(hidden_states.shape[0], device=hidden_states.device)
+            fc_input = ops.gather_aux_hidden(hidden_states.chunk(count, dim=-1), rows, None, mode, norm_weight, eps)
+            return model.fc(fc_input)
+
+        cls.combine_hidden_states = combine_hidden_states
+
+    patch(Eagle3Qwen3ForCausalLM, "num_aux_layers")
+    patch(Eagle3LlamaForCausalLM, "num_aux_hidden_states")
+
+
+# ---- (e) verification --------------------------------------------------------------------------
+def _inactive(processor) -> bool:
+    """A built-in logits processor with no request using it (unknown ones count as active)."""
+    from vllm.v1.sample.logits_processor.builtin import (
+        LogitBiasLogitsProcessor,
+        MinPLogitsProcessor,
+        MinTokensLogitsProcessor,
+    )
+
+    if isinstance(processor, MinPLogitsProcessor):
+        return not processor.min_p_count
+    if isinstance(processor, LogitBiasLogitsProcessor):
+        return not processor.biases
+    if isinstance(processor, MinTokensLogitsProcessor):
+        return not processor.min_toks
+    return False
+
+
+def _install_rejection_sampler() -> None:
+    import vllm.v1.worker.gpu_model_runner as runner
+    from vllm.v1.outputs import SamplerOutput
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+
+    from .. import ops
+
+    class QspecRejectionSampler(RejectionSampler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.seed = int(torch.randint(0, 2**62, ()))  # follows the engine's seed
+            self.draws = 0  # random streams handed out: (seed, offset) never repeats in a process
+
+        def deferral(self, metadata, draft_probs, sampling) -> str | None:
+            """Why vLLM's own sampler must verify this batch (None: ours does)."""
+            holder = sampling.thinking_budget_state_holder
+            reasons = {
+                "draft_probs": draft_probs is not None, "synthetic": self.synthetic_mode,
+                "logprobs": sampling.max_num_logprobs is not None, "penalties": not sampling.no_penalties,
+                "bad_words": bool(sampling.bad_words_token_ids),
+                "allowed_token_ids": sampling.allowed_token_ids_mask is not None,
+                "seeded_requests": bool(sampling.generators),
+                "thinking_budget": holder is not None and holder.has_tracked_requests(),
+                "logits_processors": not all(_inactive(p) for p in sampling.logitsprocs.all),
+                "no_drafts": metadata.max_spec_len == 0, "device": not _our_device(metadata.draft_token_ids),
+            }
+            return next((name for name, applies in reasons.items() if applies), None)
+
+        def forward(self, metadata, draft_probs, logits, sampling_metadata):
+            reason = self.deferral(metadata, draft_probs, sampling_metadata)
+            if reason is not None:
+                CALLS["rejection_sampler_deferred"] += 1
+                CALLS[f"rejection_sampler_deferred:{reason}"] += 1
+                return super().forward(metadata, draft_probs, logits, sampling_metadata)
+            CALLS["rejection_sampler"] += 1
+            device = logits.device
+            batch, k = len(metadata.num_draft_tokens), metadata.max_spec_len
+            num_draft = torch.tensor(metadata.num_draft_tokens, dtype=torch.long, device=device)
+            first = metadata.cu_num_draft_tokens.long() - num_draft  # each request's first draft
+            step = torch.arange(k + 1, device=device)
+            # Request b's logits rows: its drafts' rows, then its bonus row (repeated as padding).
+            rows = first[:, None] + torch.arange(batch, device=device)[:, None] + torch.minimum(step, num_draft[:, None])
+            last = metadata.draft_token_ids.shape[0] - 1
+            drafts = metadata.draft_token_ids.long()[(first[:, None] + step[:k]).clamp(max=last)]
+            drafts = torch.where(step[:k] < num_draft[:, None], drafts, 0)
+            target = logits[rows.flatten()].float()
+            if sampling_metadata.all_greedy:
+                out, _ = ops.verify_greedy(drafts, target.view(batch, k + 1, -1), num_draft)
+            else:
+                temperature = sampling_metadata.temperature.float()
+                greedy = temperature < 1e-5
+                top_k, top_p = (None if x is None else x.repeat_interleave(k + 1)
+                                for x in (sampling_metadata.top_k, sampling_metadata.top_p))
+                target = target / torch.where(greedy, 1.0, temperature).repeat_interleave(k + 1)[:, None]
+                target = apply_top_k_top_p(target, top_k, top_p)  # as vLLM processes its target rows
+                seed = torch.full((batch,), self.seed, dtype=torch.long, device=device)
+                offset = self.draws + (k + 1) * torch.arange(batch, dtype=torch.long, device=device)
+                self.draws += batch * (k + 1)
+                out, _ = ops.verify_sampling(drafts, None, target.view(batch, k + 1, -1),
+                                             torch.where(greedy, 0.0, 1.0), seed, offset, None, num_draft)
+            return SamplerOutput(sampled_token_ids=out.to(torch.int32), logprobs_tensors=None)
+
+    runner.RejectionSampler = QspecRejectionSampler
+
+
+_INSTALL = {
+    "rms_norm": _install_rms_norm,
+    "rope": _install_rope,
+    "qk_norm_rope": _install_qk_norm_rope,
+    "aux_gather": _install_aux_gather,
+    "rejection_sampler": _install_rejection_sampler,
+}

@@ -1,0 +1,50 @@
+"""Runs a vLLM engine in a child process (in-process engine core and worker, eager) and returns its
+tokens, its speculative-decoding counters and, with the qspec_ext plugin, the calls each seam took."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+VLLM_SCRIPT = textwrap.dedent("""
+    import json, sys
+    from vllm import LLM, SamplingParams
+
+    def main():
+        target, draft, prompts, new_tokens, k, parallel, temperature = json.loads(sys.argv[1])
+        speculative = None if draft is None else {"method": "eagle3", "model": draft, "num_speculative_tokens": k,
+                                                  "parallel_drafting": parallel}
+        llm = LLM(model=target, skip_tokenizer_init=True, enforce_eager=True, dtype="float32", max_model_len=256,
+                  disable_log_stats=False, seed=0, speculative_config=speculative)
+        out = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=temperature, max_tokens=new_tokens, ignore_eos=True,
+                                          detokenize=False))
+        metrics = {m.name: getattr(m, "value", getattr(m, "values", None)) for m in llm.get_metrics()}
+        try:
+            from qspec_ext.integrations import vllm as plugin
+            calls, seams = dict(plugin.CALLS), list(plugin.installed_seams())
+        except ImportError:
+            calls, seams = {}, []
+        print("RESULT " + json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in out],
+                                      "drafts": metrics.get("vllm:spec_decode_num_drafts"),
+                                      "per_position": metrics.get("vllm:spec_decode_num_accepted_tokens_per_pos"),
+                                      "calls": calls, "seams": seams}))
+
+    if __name__ == "__main__":
+        main()
+""")
+
+
+def run_vllm(target, draft, tmp_path, prompts, new_tokens, k, parallel=False, temperature=0.0, plugin=True) -> dict:
+    """plugin=False runs stock vLLM (QSPEC_VLLM_DISABLE=all: the plugin loads and installs no seam)."""
+    script = tmp_path / "run_vllm.py"
+    script.write_text(VLLM_SCRIPT)
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+    env["QSPEC_VLLM_DISABLE"] = "" if plugin else "all"
+    args = [str(target), None if draft is None else str(draft), prompts, new_tokens, k, parallel, temperature]
+    proc = subprocess.run([sys.executable, str(script), json.dumps(args)], capture_output=True, text=True, env=env,
+                          timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    return json.loads(lines[-1][len("RESULT "):])

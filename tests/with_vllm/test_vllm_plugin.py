@@ -1,0 +1,189 @@
+"""The qspec_ext plugin inside vLLM (qspec_ext.integrations.vllm): with it vLLM decodes the same
+greedy tokens with the same acceptance as without, each seam runs in the worker, its sampler
+follows the target's law, and it leaves vLLM stock where it must. Run in the vLLM venv."""
+
+import math
+from importlib.metadata import entry_points
+
+import pytest
+import torch
+
+pytest.importorskip("vllm.entrypoints.llm")
+
+from qspec_ext.demo import DEMO_DIR  # noqa: E402
+from qspec_ext.integrations import vllm as plugin  # noqa: E402
+
+from engine import run_vllm  # noqa: E402
+from test_vllm_checkpoints import NEW_TOKENS, PROMPTS, random_drafter  # noqa: E402
+
+K = 3
+
+
+def test_the_entry_point_names_register():
+    found = [e for e in entry_points(group="vllm.general_plugins") if e.name == "qspec_ext"]
+    assert [e.value for e in found] == ["qspec_ext.integrations.vllm:register"]
+
+
+def test_seams_are_listed_once_and_turned_off_by_name(monkeypatch):
+    monkeypatch.delenv(plugin.DISABLE_ENV, raising=False)
+    assert plugin.enabled_seams() == plugin.SEAMS
+    monkeypatch.setenv(plugin.DISABLE_ENV, "rope, rejection_sampler")
+    assert plugin.enabled_seams() == ("rms_norm", "qk_norm_rope", "aux_gather")
+    monkeypatch.setenv(plugin.DISABLE_ENV, "all")
+    assert plugin.enabled_seams() == ()
+    monkeypatch.setenv(plugin.DISABLE_ENV, "rmsnorm")
+    with pytest.raises(ValueError, match="QSPEC_VLLM_DISABLE.*rmsnorm"):
+        plugin.enabled_seams()
+
+
+def test_incompatible_vllm_or_torch_leaves_vllm_stock():
+    assert plugin.incompatibility("0.32.0", "2.13.0+cpu", "2.13.0+cpu") is None
+    assert "outside the tested range" in plugin.incompatibility("0.33.1", "2.13.0+cpu", "2.13.0+cpu")
+    assert "outside the tested range" in plugin.incompatibility("0.31.9", "2.13.0+cpu", "2.13.0+cpu")
+    assert "built with torch 2.14.1" in plugin.incompatibility("0.32.0", "2.13.0+cpu", "2.14.1")
+
+
+# ---- the sampler, called directly -----------------------------------------------------------------
+def sampler_inputs(num_draft, drafts, logits, temperature, top_k=None):
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    batch = len(num_draft)
+    cu = torch.tensor(num_draft).cumsum(0).int()
+    rows = [list(range(int(c) - n + b, int(c) + b)) for b, (c, n) in enumerate(zip(cu, num_draft))]
+    metadata = SpecDecodeMetadata(
+        draft_token_ids=torch.tensor(drafts, dtype=torch.int32), num_draft_tokens=list(num_draft),
+        cu_num_draft_tokens=cu, cu_num_sampled_tokens=(cu + torch.arange(1, batch + 1)).int(),
+        target_logits_indices=torch.tensor([r for rs in rows for r in rs], dtype=torch.int32),
+        bonus_logits_indices=(cu + torch.arange(batch)).int(),
+        logits_indices=torch.arange(len(drafts) + batch, dtype=torch.int32))
+    greedy = all(t == 0 for t in temperature)
+    sampling = SamplingMetadata(
+        temperature=None if greedy else torch.tensor(temperature, dtype=torch.float32),
+        all_greedy=greedy, all_random=all(t > 0 for t in temperature), top_p=None,
+        top_k=None if top_k is None else torch.full((batch,), top_k, dtype=torch.int32), generators={},
+        max_num_logprobs=None, no_penalties=True, prompt_token_ids=None, frequency_penalties=torch.zeros(batch),
+        presence_penalties=torch.zeros(batch), repetition_penalties=torch.ones(batch),
+        output_token_ids=[[] for _ in range(batch)], allowed_token_ids_mask=None, bad_words_token_ids={},
+        logitsprocs=LogitsProcessors(), spec_token_ids=[[] for _ in range(batch)])
+    return metadata, logits, sampling
+
+
+def our_sampler():
+    import vllm.v1.worker.gpu_model_runner as runner
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.sample.sampler import Sampler
+
+    stock_class = runner.RejectionSampler
+    plugin._install_rejection_sampler()
+    ours_class = runner.RejectionSampler
+    runner.RejectionSampler = stock_class
+    assert ours_class is not RejectionSampler and issubclass(ours_class, RejectionSampler)
+    return ours_class(Sampler())
+
+
+def test_the_sampler_verifies_ragged_drafts_greedily():
+    """(vLLM's own sampler runs only inside its engine on CPU: the engine tests below compare them.)"""
+    ours = our_sampler()
+    torch.manual_seed(0)
+    num_draft = [3, 1, 0, 2, 3]
+    batch, vocab = len(num_draft), 11
+    logits = torch.randn(sum(num_draft) + batch, vocab)
+    argmax = logits.argmax(-1).tolist()
+    drafts, expected, row = [], [], 0
+    for b, n in enumerate(num_draft):  # drafts match the target for b % 3 positions, then differ
+        mine = [argmax[row + j] if j < b % 3 else (argmax[row + j] + 1) % vocab for j in range(n)]
+        accepted = min(b % 3, n)
+        expected.append(mine[:accepted] + [argmax[row + accepted]] + [-1] * (3 - accepted))
+        drafts += mine
+        row += n + 1
+    metadata, logits, sampling = sampler_inputs(num_draft, drafts, logits, [0.0] * batch)
+    plugin.CALLS.clear()
+    got = ours(metadata, None, logits, sampling).sampled_token_ids
+    assert plugin.CALLS["rejection_sampler"] == 1 and got.dtype == torch.int32
+    assert got.tolist() == expected
+
+
+@pytest.mark.parametrize("top_k", [None, 3])
+def test_the_sampler_follows_the_targets_law(top_k):
+    """First emitted token of each request ~ softmax(logits / T) (top-k renormalized), whatever
+    was drafted: chi-square over many requests with ragged drafts."""
+    ours = our_sampler()
+    torch.manual_seed(1)
+    vocab, batch, temperature = 6, 6000, 0.7
+    row_logits = torch.randn(vocab) * 1.5
+    num_draft = [1 + b % 3 for b in range(batch)]
+    drafts = torch.randint(0, vocab, (sum(num_draft),)).tolist()
+    logits = row_logits.repeat(sum(num_draft) + batch, 1)
+    metadata, logits, sampling = sampler_inputs(num_draft, drafts, logits, [temperature] * batch, top_k)
+    out = ours(metadata, None, logits, sampling).sampled_token_ids
+    first = out[:, 0].long()
+    p = torch.softmax(row_logits / temperature, -1)
+    if top_k is not None:
+        keep = p.topk(top_k).indices
+        p = torch.zeros_like(p).index_fill_(0, keep, 1.0) * p
+        p = p / p.sum()
+    counts = torch.bincount(first, minlength=vocab).double()
+    assert counts[p == 0].sum() == 0
+    expected = p[p > 0].double() * batch
+    chi2 = float(((counts[p > 0] - expected) ** 2 / expected).sum())
+    dof = int((p > 0).sum()) - 1
+    assert chi2 < dof + 6 * math.sqrt(2 * dof), (chi2, counts, expected)
+    # each row is a run of accepted drafts, one target token, then -1 padding
+    for b in range(0, batch, 997):
+        n_out = int((out[b] >= 0).sum())
+        assert 1 <= n_out <= num_draft[b] + 1 and bool((out[b, n_out:] == -1).all())
+
+
+def test_the_sampler_defers_what_it_does_not_implement(monkeypatch):
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+
+    ours = our_sampler()
+    deferred = []
+    monkeypatch.setattr(RejectionSampler, "forward", lambda self, *args: deferred.append(args) or "stock")
+    metadata, logits, sampling = sampler_inputs([2, 2], [1, 2, 3, 4], torch.randn(6, 9), [0.0, 0.0])
+    for change in (dict(max_num_logprobs=2), dict(no_penalties=False), dict(bad_words_token_ids={0: [[3]]}),
+                   dict(generators={0: torch.Generator()}), dict(allowed_token_ids_mask=torch.zeros(2, 9, dtype=torch.bool))):
+        saved = {name: getattr(sampling, name) for name in change}
+        for name, value in change.items():
+            setattr(sampling, name, value)
+        plugin.CALLS.clear()
+        assert ours(metadata, None, logits, sampling) == "stock", change
+        assert plugin.CALLS["rejection_sampler_deferred"] == 1 and plugin.CALLS["rejection_sampler"] == 0
+        for name, value in saved.items():
+            setattr(sampling, name, value)
+    assert ours(metadata, torch.rand(4, 9), logits, sampling) == "stock"  # draft probabilities
+    assert len(deferred) == 6
+    assert ours(metadata, None, logits, sampling).sampled_token_ids.shape == (2, 3)
+
+
+# ---- the engine, with and without the plugin ------------------------------------------------------
+def test_with_the_plugin_vllm_decodes_the_same_tokens_and_each_seam_runs_in_the_worker(tmp_path):
+    """Target: the tiny Qwen3 (qk_norm_rope, rms_norm); drafter: Llama arch with fc_norm (rope,
+    aux_gather); greedy and sampled requests (rejection_sampler)."""
+    target = DEMO_DIR / "target"
+    draft = tmp_path / "draft"
+    random_drafter("llama", fc_norm=True).save_pretrained(draft)
+    stock = run_vllm(target, draft, tmp_path, PROMPTS, NEW_TOKENS, K, plugin=False)
+    ours = run_vllm(target, draft, tmp_path, PROMPTS, NEW_TOKENS, K)
+    assert stock["seams"] == [] and not stock["calls"]
+    assert ours["seams"] == list(plugin.SEAMS)
+    assert ours["tokens"] == stock["tokens"]
+    assert ours["per_position"] == stock["per_position"] and ours["drafts"] == stock["drafts"]
+    for seam in ("rms_norm", "fused_add_rms_norm", "qk_norm_rope", "rope", "aux_gather", "rejection_sampler"):
+        assert ours["calls"].get(seam, 0) > 0, (seam, ours["calls"])
+    deferred = {name: n for name, n in ours["calls"].items() if name.startswith("rejection_sampler_deferred:")}
+    assert set(deferred) <= {"rejection_sampler_deferred:no_drafts"}, deferred  # warm-up steps without drafts
+    sampled = run_vllm(target, draft, tmp_path, PROMPTS, NEW_TOKENS, K, temperature=0.8)
+    assert sampled["calls"].get("rejection_sampler", 0) > 0
+    assert sampled["calls"].get("rejection_sampler_deferred", 0) == deferred.get("rejection_sampler_deferred:no_drafts", 0)
+    assert [len(t) for t in sampled["tokens"]] == [NEW_TOKENS] * len(PROMPTS)
+
+
+def test_with_the_plugin_the_shipped_drafter_accepts_what_it_accepts_without(tmp_path):
+    target, draft = DEMO_DIR / "target", DEMO_DIR / "draft"
+    stock = run_vllm(target, draft, tmp_path, PROMPTS, NEW_TOKENS, K, plugin=False)
+    ours = run_vllm(target, draft, tmp_path, PROMPTS, NEW_TOKENS, K)
+    assert ours["tokens"] == stock["tokens"]
+    assert ours["per_position"] == stock["per_position"] and ours["drafts"] == stock["drafts"]
