@@ -3,7 +3,12 @@ tokens equal, acceptance per position, tokens/s for plain decoding, chain EAGLE-
 each batch size. Run it in the vLLM venv (scripts/make_vllm_venv.sh):
 
     .venv-vllm/bin/python benchmarks/bench_vllm.py [--pair tiny] [--cores 1 2] [--batch 1 4 8] [-k 3]
-        [--rounds 3] [--prompts 8] [--max-new-tokens 96] [--json PATH]
+        [--rounds 3] [--prompts 8] [--max-new-tokens 96] [--kinds plain chain parallel]
+        [--engines qspec_ext vllm] [--json PATH]
+
+Engines: qspec_ext (its own loop), vllm (stock: the qspec_ext plugin off), vllm+plugin (every
+seam of qspec_ext.integrations.vllm on), vllm+SEAM (that seam alone, e.g. vllm+rms_norm).
+Ratios are against the second engine listed (default: qspec_ext / vLLM).
 
 Each measurement is a child process pinned to the first N cores (qspec_ext: torch threads = N;
 vLLM: VLLM_CPU_OMP_THREADS_BIND=0-(N-1), no reserved core), in-process engine, eager; the
@@ -46,11 +51,12 @@ def child_qspec(job: dict) -> dict:
     torch.set_num_threads(job["cores"])
     prompts, out = job["prompts"], {}
     target, chain = load_pair(job["pair"], drafter_dir(job["pair"]), dtype=job["dtype"])
-    _, parallel = load_pair(job["pair"], drafter_dir(job["pair"], parallel=True), dtype=job["dtype"])
     runners = {"plain": lambda **kw: generate_plain(target, **kw),
-               "chain": SpeculativeDecoder(target, chain, job["k"]).generate,
-               "parallel": SpeculativeDecoder(target, parallel, job["k"]).generate}
-    for kind in KINDS:
+               "chain": SpeculativeDecoder(target, chain, job["k"]).generate}
+    if "parallel" in job["kinds"]:
+        _, parallel = load_pair(job["pair"], drafter_dir(job["pair"], parallel=True), dtype=job["dtype"])
+        runners["parallel"] = SpeculativeDecoder(target, parallel, job["k"]).generate
+    for kind in job["kinds"]:
         for batch in job["batch"]:
             def run():
                 return in_batches(lambda p, **kw: runners[kind](prompts=p, **kw), prompts, batch,
@@ -70,7 +76,7 @@ def child_vllm(job: dict) -> dict:
 
     prompts, out = job["prompts"], {}
     params = SamplingParams(temperature=0, max_tokens=job["max_new_tokens"], ignore_eos=True, detokenize=False)
-    for kind in KINDS:
+    for kind in job["kinds"]:
         # P-EAGLE: vLLM drafts in parallel only when asked (else it runs the drafter as a chain).
         spec = None if kind == "plain" else {"method": "eagle3", "num_speculative_tokens": job["k"],
                                              "model": str(drafter_dir(job["pair"], parallel=kind == "parallel")),
@@ -107,12 +113,28 @@ def child_vllm(job: dict) -> dict:
     return out
 
 
+def plugin_disabled(engine: str) -> str:
+    """QSPEC_VLLM_DISABLE for an engine name: vllm (all seams off), vllm+plugin (none), vllm+SEAM."""
+    from qspec_ext.integrations.vllm import SEAMS
+
+    if engine in ("vllm", "qspec_ext"):
+        return "all"
+    seam = engine.removeprefix("vllm+")
+    if seam == "plugin":
+        return ""
+    if seam not in SEAMS:
+        sys.exit(f"bench_vllm: --engines: unknown engine {engine!r}; expected qspec_ext, vllm, vllm+plugin or "
+                 f"vllm+SEAM with SEAM one of {', '.join(SEAMS)}")
+    return ",".join(s for s in SEAMS if s != seam)
+
+
 def run_child(engine: str, job: dict) -> dict:
     cores = job["cores"]
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
                VLLM_CPU_OMP_THREADS_BIND=f"0-{cores - 1}" if cores > 1 else "0", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
-               OMP_NUM_THREADS=str(cores))
-    command = ["taskset", "-c", f"0-{cores - 1}", sys.executable, __file__, "--child", engine, json.dumps(job)]
+               OMP_NUM_THREADS=str(cores), QSPEC_VLLM_DISABLE=plugin_disabled(engine))
+    child = "qspec_ext" if engine == "qspec_ext" else "vllm"
+    command = ["taskset", "-c", f"0-{cores - 1}", sys.executable, __file__, "--child", child, json.dumps(job)]
     proc = subprocess.run(command, capture_output=True, text=True, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
@@ -135,44 +157,48 @@ def main():
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    parser.add_argument("--engines", nargs="+", default=["qspec_ext", "vllm"])
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
+    if len(args.engines) < 2:
+        parser.error("--engines: at least two (ratios are against the second)")
+    for engine in args.engines:
+        plugin_disabled(engine)  # an unknown name fails before any child runs
     base = dict(pair=args.pair, prompts=prompts_of(args.pair, args.prompts), k=args.k, batch=args.batch,
-                max_new_tokens=args.max_new_tokens, dtype=args.dtype)
+                max_new_tokens=args.max_new_tokens, dtype=args.dtype, kinds=args.kinds)
     runs = {}  # (engine, cores) -> [round results]
     for round_ in range(args.rounds):
         for cores in args.cores:
-            for engine in ("qspec_ext", "vllm"):
+            for engine in args.engines:
                 runs.setdefault((engine, cores), []).append(run_child(engine, dict(base, cores=cores)))
                 print(f"round {round_ + 1}/{args.rounds}: {engine} on {cores} core(s) done", file=sys.stderr)
+    reference = args.engines[1]
     rows = []
     for cores in args.cores:
-        for kind in KINDS:
+        for kind in args.kinds:
             for batch in args.batch:
                 key = f"{kind}/{batch}"
-                ours = [r[key] for r in runs["qspec_ext", cores]]
-                theirs = [r[key] for r in runs["vllm", cores]]
-                rates = [r["tokens_per_second"] for r in ours], [r["tokens_per_second"] for r in theirs]
-                rows.append(dict(cores=cores, kind=kind, batch=batch,
-                                 qspec_tokens_per_second=statistics.median(rates[0]),
-                                 qspec_spread=[min(rates[0]), max(rates[0])],
-                                 vllm_tokens_per_second=statistics.median(rates[1]),
-                                 vllm_spread=[min(rates[1]), max(rates[1])],
-                                 ratio=statistics.median(a / b for a, b in zip(*rates)),
-                                 same_tokens=ours[0]["tokens"] == theirs[0]["tokens"],
-                                 qspec_acceptance=ours[0]["acceptance"], vllm_acceptance=theirs[0]["acceptance"]))
+                row = dict(cores=cores, kind=kind, batch=batch, engines={})
+                theirs = [r[key] for r in runs[reference, cores]]
+                for engine in args.engines:
+                    mine = [r[key] for r in runs[engine, cores]]
+                    rates = [r["tokens_per_second"] for r in mine]
+                    row["engines"][engine] = dict(
+                        tokens_per_second=statistics.median(rates), spread=[min(rates), max(rates)],
+                        ratio=statistics.median(a["tokens_per_second"] / b["tokens_per_second"]
+                                                for a, b in zip(mine, theirs)),
+                        same_tokens=mine[0]["tokens"] == theirs[0]["tokens"], acceptance=mine[0]["acceptance"])
+                rows.append(row)
     print(f"pair {args.pair}, {args.prompts} prompts x {args.max_new_tokens} tokens, greedy, {args.dtype}, k = {args.k}; "
           f"medians over {args.rounds} alternating rounds (spread min-max); ratio: the median of each round's "
-          f"qspec_ext / vLLM")
-    print(f"{'cores':>5} {'kind':>8} {'batch':>5} {'qspec_ext tok/s':>22} {'vLLM tok/s':>22} {'ratio':>6} "
-          f"{'same':>5}  acceptance per position (qspec_ext | vLLM)")
+          f"engine / {reference}; same: greedy tokens equal {reference}'s")
     for r in rows:
-        fmt = lambda m, s: f"{m:.0f} ({s[0]:.0f}-{s[1]:.0f})"  # noqa: E731
-        acc = "" if r["kind"] == "plain" else " ".join(f"{a:.2f}" for a in r["qspec_acceptance"] or []) + " | " + \
-            " ".join(f"{a:.2f}" for a in r["vllm_acceptance"] or [])
-        print(f"{r['cores']:>5} {r['kind']:>8} {r['batch']:>5} {fmt(r['qspec_tokens_per_second'], r['qspec_spread']):>22} "
-              f"{fmt(r['vllm_tokens_per_second'], r['vllm_spread']):>22} {r['ratio']:>5.2f}x "
-              f"{'yes' if r['same_tokens'] else 'NO':>5}  {acc}")
+        print(f"{r['cores']} core(s), {r['kind']}, batch {r['batch']}:")
+        for engine, e in r["engines"].items():
+            acc = "" if e["acceptance"] is None else "  acceptance " + " ".join(f"{a:.2f}" for a in e["acceptance"])
+            print(f"  {engine:>24} {e['tokens_per_second']:7.0f} tok/s ({e['spread'][0]:.0f}-{e['spread'][1]:.0f}) "
+                  f"{e['ratio']:5.2f}x  same {'yes' if e['same_tokens'] else 'NO'}{acc}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

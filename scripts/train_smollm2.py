@@ -3,15 +3,15 @@
 and a P-EAGLE drafter, both with an 8192-token draft vocabulary from the data's token counts,
 stored in bf16 (both drafters together within ~40 MB: the embeddings are the target's).
 
-    python scripts/train_smollm2.py [--steps 600] [--parallel-steps 600] [--only chain|parallel]
+    python scripts/train_smollm2.py [--steps 600] [--parallel-steps 400] [--only chain|parallel]
     python scripts/train_smollm2.py --smoke DIR      # 2 steps per part into DIR: does it run
 
 Reproducible (fixed seeds) and resumable: each part checkpoints every 10 steps under
 build/smollm2-train/ (not committed: about 110 MB per part) and a rerun on the same machine
-continues where the last one stopped; a finished part is not trained again. Measured with
---smoke beside the data generation: about 5 s per chain step (TTT over 7 steps, batch 2 x 256,
-bf16 autocast, compiled; its first step compiles for about 2 minutes) and 4.3 s per P-EAGLE step:
-600 + 600 steps fit the ~120 minutes. Writes python/qspec_ext/smollm2_pair/{draft,draft-parallel}
+continues where the last one stopped; a finished part is not trained again. Measured on the
+2-core machine: about 5 s per chain step (TTT over 7 steps, batch 2 x 256, bf16 autocast,
+compiled; its first step compiles for about 2 minutes) and about 4.3 s per P-EAGLE step: 600 +
+400 steps, about 80 minutes, the seconds of each part in loss_curves.json. Writes python/qspec_ext/smollm2_pair/{draft,draft-parallel}
 and loss_curves.json / .png (loss and accuracy per step, seconds per part).
 """
 
@@ -79,7 +79,7 @@ def plot(curves: dict, shipped: Path) -> None:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=600, help="chain drafter steps")
-    parser.add_argument("--parallel-steps", type=int, default=600, help="P-EAGLE drafter steps")
+    parser.add_argument("--parallel-steps", type=int, default=400, help="P-EAGLE drafter steps")
     parser.add_argument("--only", choices=["chain", "parallel"])
     parser.add_argument("--smoke", metavar="DIR", help="2 steps per part on the data there is, written to DIR")
     args = parser.parse_args()

@@ -16,6 +16,15 @@ from qspec_ext.demo import DEMO_DIR  # noqa: E402
 from qspec_ext.models.checkpoint import CheckpointError  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def tiny_default_pair(monkeypatch):
+    """These tests use the tiny pair, the fast fixture, where no --target is given (the default
+    pair is the real one: tests/test_smollm2.py)."""
+    import qspec_ext.cli
+
+    monkeypatch.setattr(qspec_ext.cli, "DEFAULT_PAIR", "tiny")
+
+
 def generate_json(args, capsys):
     assert qspec_main(["generate", *args, "--max-new-tokens", "4", "--json", "-k", "2"]) == 0
     return json.loads(capsys.readouterr().out)

@@ -18,6 +18,16 @@ from qspec_ext.ops import verify_sampling  # noqa: E402
 from qspec_ext.sampling import apply_top_k_top_p  # noqa: E402
 from qspec_ext.train import cod_nodes  # noqa: E402
 
+
+@pytest.fixture(autouse=True)
+def tiny_default_pair(monkeypatch):
+    """These tests use the tiny pair, the fast fixture, where no --target is given (the default
+    pair is the real one: tests/test_smollm2.py)."""
+    import qspec_ext.cli
+
+    monkeypatch.setattr(qspec_ext.cli, "DEFAULT_PAIR", "tiny")
+
+
 SMALL_AUX = [1, 2, 3]  # a 3-layer target: fast, and each compiled graph builds in seconds
 
 

@@ -127,3 +127,53 @@ def test_training_prompts_are_disjoint_from_the_heldout_set():
         pytest.skip("no training prompts yet (scripts/make_smollm2_data.py writes them)")
     training = [json.loads(line)["prompt"] for line in path.read_text().splitlines()]
     assert len(training) > 100 and not [p for p in training if heldout.overlaps(p)]
+
+
+def shipped_drafter(parallel: bool = False):
+    try:
+        return shipped.drafter_dir("smollm2", parallel)
+    except CheckpointError as error:
+        pytest.skip(str(error))
+
+
+@needs_wheel
+@pytest.mark.parametrize("parallel", [False, True], ids=["chain", "peagle"])
+def test_the_shipped_drafters_are_lossless_and_accept_drafts(target, smollm2_dir, parallel):
+    """The trained drafters load against the target (borrowing its embeddings), decode greedily
+    exactly what the target decodes, and are accepted well above chance (a broken save, d2t map or
+    aux layer choice would drop acceptance to ~1)."""
+    from qspec_ext import Eagle3Drafter
+
+    drafter = Eagle3Drafter.from_pretrained(shipped_drafter(parallel), target=target)
+    assert drafter.config.draft_vocab_size <= 16384 and drafter.config.arch == "qwen3"
+    assert drafter.config.parallel_drafting == parallel
+    prompts = [chat_ids(smollm2_dir, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    stops = stop_ids(smollm2_dir)
+    plain = generate_plain(target, prompts, 32, eos_token_id=stops)
+    spec = SpeculativeDecoder(target, drafter, 3).generate(prompts, 32, eos_token_id=stops)
+    assert spec.tokens == plain.tokens
+    assert spec.stats.mean_acceptance_length > 1.5, spec.stats.acceptance_rate_per_position
+
+
+@needs_wheel
+def test_the_demo_answers_chat_prompts_with_the_real_pair(capsys):
+    from qspec_ext.demo import run_demo
+
+    shipped_drafter()
+    assert qspec_main(["demo", "--quick"]) == 0  # the default pair
+    out = capsys.readouterr().out
+    assert "user: " in out and "assistant:" in out
+    assert "greedy speculative output identical to plain decoding: yes" in out
+    assert run_demo(pair="tiny", quick=True, ks=[2]) == 0
+
+
+def test_demo_prompts_of_the_real_pair_are_chat_turns():
+    import argparse
+
+    from qspec_ext.cli import read_prompts
+    from qspec_ext.prompts import heldout_prompts
+
+    args = argparse.Namespace(demo=2, pair="smollm2", chat=False, prompt=None, prompts=None)
+    assert read_prompts(args) == [r["prompt"] for r in heldout_prompts("chat")[:2]] and args.chat
+    args = argparse.Namespace(demo=1, pair="tiny", chat=False, prompt=None, prompts=None)
+    assert read_prompts(args)[0].rstrip().endswith(":") and not args.chat  # code up to a function header

@@ -408,7 +408,7 @@ def test_shipped_pair_loads_in_qspec_ext_and_transformers():
 
 
 def test_demo_quick(capsys):
-    assert run_demo(quick=True) == 0
+    assert run_demo(pair="tiny", quick=True) == 0
     out = capsys.readouterr().out
     assert "greedy speculative output identical to plain decoding: yes" in out
     assert "accept len" in out

@@ -23,7 +23,7 @@ EXPECTED_ERRORS = (CheckpointError, ValueError, FileNotFoundError, NotADirectory
                    PermissionError)
 
 
-DEFAULT_PAIR = "tiny"
+DEFAULT_PAIR = "smollm2"  # the real pair; "tiny" is the fast test fixture
 
 
 def resolve_models(args) -> None:
@@ -35,6 +35,7 @@ def resolve_models(args) -> None:
             raise ValueError("--draft needs its --target")
         args.target = DEFAULT_PAIR
     named = args.target in shipped.NAMES and not Path(args.target).exists()  # as resolve_source decides
+    args.pair = args.target if named else None
     if args.draft is None:
         if not named:
             raise ValueError(f"--target {args.target} needs a --draft (a named target, {' or '.join(shipped.NAMES)}, "
@@ -50,11 +51,16 @@ def resolve_models(args) -> None:
 
 
 def read_prompts(args) -> list[str]:
-    """--demo N held-out prompts, --prompt, or --prompts FILE: text lines, or JSONL lines with
+    """--demo N held-out prompts (a named pair's demo requests: chat prompts for smollm2, as user
+    turns; code otherwise), --prompt, or --prompts FILE: text lines, or JSONL lines with
     {"prompt": ...} or MT-bench style {"turns": [...]} (the first turn)."""
     if args.demo is not None:
         from .demo import demo_prompts
+        from .prompts import heldout_prompts
 
+        if getattr(args, "pair", None) == "smollm2":
+            args.chat = True
+            return [r["prompt"] for r in heldout_prompts("chat")[: args.demo]]
         return demo_prompts(args.demo)
     if args.prompt is not None:
         return [args.prompt]
@@ -109,7 +115,7 @@ def add_model_args(p: argparse.ArgumentParser, prompts: bool = True) -> None:
         source = p.add_mutually_exclusive_group(required=True)
         source.add_argument("--prompt", help="one prompt")
         source.add_argument("--prompts", help="a file: one prompt per line, or JSONL with \"prompt\" or \"turns\"")
-        source.add_argument("--demo", type=int, metavar="N", help="N held-out code prompts (for the shipped pair)")
+        source.add_argument("--demo", type=int, metavar="N", help="N held-out prompts of the named pair (chat for smollm2, code for tiny)")
     p.add_argument("--chat", action="store_true",
                    help="format each prompt as a user turn in the target tokenizer's chat template")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -336,8 +342,8 @@ def plot_acceptance(rows: list[dict], path: str) -> None:
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
-    return run_demo(quick=args.quick, device=args.device, max_new_tokens=args.max_new_tokens, ks=args.k,
-                    compile=args.compile)
+    return run_demo(pair=args.pair, quick=args.quick, device=args.device, max_new_tokens=args.max_new_tokens,
+                    ks=args.k, compile=args.compile)
 
 
 def cmd_train_drafter(args) -> int:
@@ -378,7 +384,11 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--repeat", type=int, default=1,
                        help="timed rounds over all configurations: medians reported, speed-ups paired per round")
     bench.set_defaults(run=cmd_bench)
-    demo = commands.add_parser("demo", help="speculative decoding with the shipped Qwen3 target + EAGLE-3 drafter")
+    demo = commands.add_parser("demo", help="speculative decoding with a named pair: a target and its shipped "
+                                             "EAGLE-3 drafters")
+    demo.add_argument("--pair", default=DEFAULT_PAIR, choices=shipped.NAMES,
+                      help=f"smollm2: SmolLM2-135M-Instruct answering chat prompts; tiny: the small Qwen3 pair "
+                           f"continuing code (default {DEFAULT_PAIR})")
     demo.add_argument("--quick", action="store_true", help="2 prompts, 24 tokens, k = 1 and 3")
     demo.add_argument("--max-new-tokens", type=int, default=None)
     demo.add_argument("-k", type=int, nargs="+", default=None, help="draft lengths (default 1..5)")

@@ -61,43 +61,70 @@ def demo_prompts(count: int, max_chars: int = 600) -> list[str]:
     return prompts
 
 
-def run_demo(quick: bool = False, device: str = "cpu", max_new_tokens: int | None = None,
+def demo_requests(pair: str, count: int) -> tuple[list[str], list[list[int]], list[int] | None]:
+    """What ``qspec demo`` asks a named pair: (the prompts as shown, their token ids, the stop ids).
+    The tiny pair continues held-out code (no stop: it writes a fixed length); SmolLM2 answers
+    held-out chat prompts through its chat template and stops at the end of its turn."""
+    from .prompts import heldout_prompts
+    from .shipped import target_dir
+    from .text import chat_ids, load_tokenizer, stop_ids
+
+    directory = target_dir(pair)
+    if pair == "tiny":
+        texts = demo_prompts(count)
+        tokenizer = load_tokenizer(directory)
+        return texts, [tokenizer.encode(t).ids for t in texts], None
+    texts = [r["prompt"] for r in heldout_prompts("chat")[:count]]
+    return texts, [chat_ids(directory, [{"role": "user", "content": t}]) for t in texts], stop_ids(directory)
+
+
+def run_demo(pair: str = "smollm2", quick: bool = False, device: str = "cpu", max_new_tokens: int | None = None,
              ks: list[int] | None = None, compile: bool = False) -> int:
-    """Loads the shipped pair (target, chain drafter, P-EAGLE drafter), decodes held-out prompts
-    with and without speculation, checks the greedy outputs are identical, prints the text and
-    chain and parallel drafting side by side: acceptance and speed by k. ``compile``: compiled
-    decode steps, each configuration timed after an untimed run that compiles it."""
+    """Loads a named pair (target, chain drafter, P-EAGLE drafter where one is shipped), decodes
+    its demo requests one at a time with and without speculation, checks the greedy outputs are
+    identical, prints the text and chain and parallel drafting side by side: acceptance and speed
+    by k. ``compile``: compiled decode steps, each configuration timed after an untimed run that
+    compiles it."""
     from functools import partial
 
     from .decode import SpeculativeDecoder, generate_plain, in_batches
     from .models import Eagle3Drafter
+    from .models.checkpoint import CheckpointError
     from .pair import load_pair
+    from .shipped import drafter_dir, target_dir
     from .text import load_tokenizer
 
-    if not (DEMO_DIR / "target" / "model.safetensors").is_file():
-        print(f"qspec demo: the demo pair is missing from {DEMO_DIR} (python scripts/make_demo_pair.py makes it)")
+    try:
+        chain_dir = drafter_dir(pair)
+        target, chain = load_pair(pair, chain_dir, device, "fp32")
+    except CheckpointError as error:
+        print(f"qspec demo: {error}")
         return 1
-    target, chain = load_pair(DEMO_DIR / "target", DEMO_DIR / "draft", device, "fp32", backend="native")
     drafters = {"chain": chain}
-    if (DEMO_DIR / "draft-parallel").is_dir():
-        drafters["parallel"] = Eagle3Drafter.from_pretrained(DEMO_DIR / "draft-parallel", dtype=torch.float32,
+    try:
+        drafters["parallel"] = Eagle3Drafter.from_pretrained(drafter_dir(pair, parallel=True), dtype=torch.float32,
                                                              device=device, target=target)
-    tokenizer = load_tokenizer(DEMO_DIR / "target")
-    texts = demo_prompts(2 if quick else 4)
-    prompts = [tokenizer.encode(t).ids for t in texts]
-    new_tokens = max_new_tokens or (24 if quick else 96)
+    except CheckpointError:
+        pass  # no P-EAGLE drafter shipped for this pair
+    tokenizer = load_tokenizer(target_dir(pair))
+    texts, prompts, stops = demo_requests(pair, 2 if quick else 4 if pair == "tiny" else 3)
+    new_tokens = max_new_tokens or (24 if quick else 96 if pair == "tiny" else 160)
     ks = ks or ([1, 3] if quick else [1, 2, 3, 4, 5])
     generate_plain(target, prompts[:1], 4)  # warm-up
     # One request at a time: the single-stream latency speculative decoding is for.
-    timed = partial(in_batches, prompts=prompts, batch_size=1, warmup=compile, max_new_tokens=new_tokens)
+    timed = partial(in_batches, prompts=prompts, batch_size=1, warmup=compile, max_new_tokens=new_tokens,
+                    eos_token_id=stops)
     plain = timed(partial(generate_plain, target, compile=compile))
     runs = {(kind, k): timed(SpeculativeDecoder(target, drafter, k, compile=compile).generate)
             for kind, drafter in drafters.items() for k in ks}
     for text, ids in zip(texts, plain.tokens):
         print("=" * 72)
-        print(text.rstrip("\n")[-300:], end="")
-        print(" \u2190 prompt | generated \u2192")
-        print(tokenizer.decode(ids))
+        if stops is None:
+            print(text.rstrip("\n")[-300:], end="")
+            print(" \u2190 prompt | generated \u2192")
+        else:
+            print(f"user: {text}\nassistant:")
+        print(tokenizer.decode(ids, skip_special_tokens=True))
     print("=" * 72)
     identical = all(run.tokens == plain.tokens for run in runs.values())
     print(f"greedy speculative output identical to plain decoding: {'yes' if identical else 'NO'}")

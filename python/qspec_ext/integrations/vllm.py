@@ -28,6 +28,8 @@ from collections import Counter
 import torch
 from torch import Tensor
 
+from .. import _C, ops
+
 SEAMS = ("rms_norm", "rope", "qk_norm_rope", "aux_gather", "rejection_sampler")
 DISABLE_ENV = "QSPEC_VLLM_DISABLE"
 TESTED_VLLM = ((0, 32), (0, 33))  # [first, last) minor versions the seams were written against
@@ -74,8 +76,6 @@ def register() -> None:
         return
     import vllm
 
-    from .. import _C
-
     log = _logger()
     problem = incompatibility(vllm.__version__, torch.__version__, _C.built_with_torch)
     if problem:
@@ -98,8 +98,6 @@ def installed_seams() -> tuple[str, ...]:
 
 
 def _our_device(t: torch.Tensor) -> bool:
-    from .. import _C
-
     return t.device.type == "cpu" or (t.device.type == "cuda" and bool(_C.with_cuda))
 
 
@@ -109,6 +107,8 @@ def _fits_rows(x: torch.Tensor) -> bool:
 
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# The ops' limits (csrc/include/qspec_ext/*.h): past them vLLM's own code runs.
+MAX_HEAD_DIM, MAX_AUX_LAYERS, MAX_DRAFT_TOKENS = 512, 8, 32
 
 
 # ---- (a) norms: vllm.ir providers --------------------------------------------------------------
@@ -116,11 +116,11 @@ def _install_rms_norm() -> None:
     from vllm import ir
     from vllm.platforms import current_platform
 
-    from .. import ops
 
     def fits(x, weight, epsilon, variance_size=None) -> bool:
-        return (weight is not None and variance_size is None and x.dtype in _DTYPES and weight.dtype == x.dtype
-                and weight.is_contiguous() and _our_device(x) and _fits_rows(x))
+        return (weight is not None and variance_size is None and x.dtype in _DTYPES
+                and weight.dtype in (x.dtype, torch.float32) and weight.is_contiguous() and _our_device(x)
+                and _fits_rows(x))
 
     def fits_add(x, x_residual, weight, epsilon, variance_size=None) -> bool:
         return (fits(x, weight, epsilon, variance_size) and x_residual.dtype == x.dtype
@@ -142,7 +142,12 @@ def _install_rms_norm() -> None:
     stock = platform.get_default_ir_op_priority
 
     def with_ours(cls, vllm_config):
+        from vllm.config.compilation import CompilationMode
+
         priority = stock(vllm_config)
+        compiled = vllm_config.compilation_config
+        if compiled.backend == "inductor" and compiled.mode != CompilationMode.NONE:
+            return priority  # Inductor fuses the native norms with their neighbours: an opaque op would not fuse
         for op in ("rms_norm", "fused_add_rms_norm"):
             setattr(priority, op, [PROVIDER, *[p for p in getattr(priority, op) if p != PROVIDER]])
         return priority
@@ -163,29 +168,31 @@ def _packed_qkv(query: torch.Tensor, key: torch.Tensor | None, num_heads_kv: int
     return query.as_strided((query.shape[0], width), (width, 1))
 
 
-def _rope_fits(rope, positions: torch.Tensor, qkv: torch.Tensor) -> bool:
+def _rope_fits(rope, positions: torch.Tensor, qkv: torch.Tensor, num_heads_q: int, num_heads_kv: int) -> bool:
+    head_dim, rot = rope.head_size, rope.rotary_dim
     return (qkv.dtype in _DTYPES and _our_device(qkv) and positions.dim() == 1
-            and positions.shape[0] == qkv.shape[0] and rope.rotary_dim <= rope.head_size)
+            and positions.dtype in (torch.int32, torch.int64) and positions.is_contiguous()
+            and positions.shape[0] == qkv.shape[0] and head_dim % 2 == 0 and head_dim <= MAX_HEAD_DIM
+            and rot % 2 == 0 and 0 < rot <= head_dim and num_heads_kv > 0 and num_heads_q % num_heads_kv == 0)
 
 
 def _install_rope() -> None:
     from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 
-    from .. import ops
 
     @RotaryEmbedding.register_oot(name="RotaryEmbedding")
     class QspecRotaryEmbedding(RotaryEmbedding):
         def _ours(self, stock, positions, query, key=None):
             head_dim = self.head_size
             qkv = None
-            if key is not None and query.dim() == 2 and query.shape[-1] % head_dim == 0:
+            if key is not None and query.dim() == 2 and query.shape[-1] % head_dim == 0 and key.shape[-1] % head_dim == 0:
                 qkv = _packed_qkv(query, key, key.shape[-1] // head_dim, head_dim)
-            if qkv is None or not _rope_fits(self, positions, qkv):
+            heads_q, heads_kv = query.shape[-1] // head_dim, (0 if key is None else key.shape[-1] // head_dim)
+            if qkv is None or not _rope_fits(self, positions, qkv, heads_q, heads_kv):
                 return stock(self, positions, query, key)
             CALLS["rope"] += 1
-            ops.qk_norm_rope_(qkv, None, None, self._match_cos_sin_cache_dtype(query), positions,
-                              query.shape[-1] // head_dim, key.shape[-1] // head_dim, head_dim, 1e-6,
-                              self.is_neox_style)
+            ops.qk_norm_rope_(qkv, None, None, self._match_cos_sin_cache_dtype(query), positions, heads_q, heads_kv,
+                              head_dim, 1e-6, self.is_neox_style)
             return query, key
 
         def forward_cpu(self, positions, query, key=None):
@@ -193,6 +200,10 @@ def _install_rope() -> None:
 
         def forward_cuda(self, positions, query, key=None):
             return self._ours(RotaryEmbedding.forward_cuda, positions, query, key)
+
+    # register_oot names the class by its registry key; custom_ops settings ("-rotary_embedding",
+    # "+rotary_embedding" under Inductor) name the op: keep answering to those.
+    QspecRotaryEmbedding.name = RotaryEmbedding.name
 
 
 # ---- (c) Qwen3 attention: q/k norm + RoPE in one pass ------------------------------------------
@@ -205,7 +216,6 @@ def _plain_rope(rope) -> bool:
 def _install_qk_norm_rope() -> None:
     from vllm.model_executor.models.qwen3 import Qwen3Attention
 
-    from .. import ops
 
     stock = Qwen3Attention.forward
 
@@ -216,8 +226,10 @@ def _install_qk_norm_rope() -> None:
                 and getattr(q_norm, "has_weight", True) and getattr(k_norm, "has_weight", True)):
             return stock(self, positions, hidden_states)
         qkv, _ = self.qkv_proj(hidden_states)
-        if not (qkv.dim() == 2 and qkv.is_contiguous() and _rope_fits(rope, positions, qkv)
-                and q_norm.weight.dtype == qkv.dtype and k_norm.weight.dtype == qkv.dtype):
+        if not (qkv.dim() == 2 and qkv.is_contiguous() and _rope_fits(rope, positions, qkv, self.num_heads,
+                                                                         self.num_kv_heads)
+                and rope.head_size == self.head_dim
+                and q_norm.weight.dtype in (qkv.dtype, torch.float32) and k_norm.weight.dtype == q_norm.weight.dtype):
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q_norm(q.view(*q.shape[:-1], -1, self.head_dim)).view(q.shape)
             k = k_norm(k.view(*k.shape[:-1], -1, self.head_dim)).view(k.shape)
@@ -239,7 +251,6 @@ def _install_aux_gather() -> None:
     from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
     from vllm.model_executor.models.qwen3_eagle3 import Eagle3Qwen3ForCausalLM
 
-    from .. import ops
 
     def patch(cls, count_attr: str) -> None:
         stock = cls.combine_hidden_states
@@ -247,17 +258,21 @@ def _install_aux_gather() -> None:
         def combine_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
             model = self.model
             fc_norm = getattr(model, "fc_norm", None)
-            if not model.use_aux_hidden_state or not (model.norm_before_fc or fc_norm is not None):
+            # One norm before fc, either kind (both: vLLM applies one after the other; left to it).
+            if not model.use_aux_hidden_state or model.norm_before_fc == (fc_norm is not None):
                 return stock(self, hidden_states)
             if model.norm_before_fc:
                 mode, norm_weight, eps = "norm_before_fc", model.input_norm.weight, model.input_norm.variance_epsilon
                 count = getattr(model, count_attr)
             else:
                 mode, count, eps = "fc_norm", len(fc_norm), fc_norm[0].variance_epsilon
-                norm_weight = torch.stack([n.weight for n in fc_norm])
+                norm_weight = getattr(model, "_qspec_fc_norm_weight", None)
+                if norm_weight is None or norm_weight.device != hidden_states.device:  # stacked once, after loading
+                    norm_weight = model._qspec_fc_norm_weight = torch.stack([n.weight.detach() for n in fc_norm])
             fits = (hidden_states.dim() == 2 and hidden_states.stride(-1) == 1 and hidden_states.dtype in _DTYPES
-                    and _our_device(hidden_states) and hidden_states.shape[-1] % count == 0
-                    and norm_weight.dtype == hidden_states.dtype
+                    and _our_device(hidden_states) and 1 <= count <= MAX_AUX_LAYERS
+                    and hidden_states.shape[-1] % count == 0
+                    and norm_weight.dtype in (hidden_states.dtype, torch.float32)
                     and (mode == "norm_before_fc" or all(n.variance_epsilon == eps for n in fc_norm)))
             if not fits:
                 return stock(self, hidden_states)
@@ -296,12 +311,11 @@ def _install_rejection_sampler() -> None:
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
     from vllm.v1.sample.rejection_sampler import RejectionSampler
 
-    from .. import ops
 
     class QspecRejectionSampler(RejectionSampler):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            self.seed = int(torch.randint(0, 2**62, ()))  # follows the engine's seed
+            self.seed = torch.initial_seed() % 2**62  # the engine's seed, read without drawing from its generator
             self.draws = 0  # random streams handed out: (seed, offset) never repeats in a process
 
         def deferral(self, metadata, draft_probs, sampling) -> str | None:
@@ -315,7 +329,8 @@ def _install_rejection_sampler() -> None:
                 "seeded_requests": bool(sampling.generators),
                 "thinking_budget": holder is not None and holder.has_tracked_requests(),
                 "logits_processors": not all(_inactive(p) for p in sampling.logitsprocs.all),
-                "no_drafts": metadata.max_spec_len == 0, "device": not _our_device(metadata.draft_token_ids),
+                "no_drafts": metadata.max_spec_len == 0, "long_drafts": metadata.max_spec_len > MAX_DRAFT_TOKENS,
+                "device": not _our_device(metadata.draft_token_ids),
             }
             return next((name for name, applies in reasons.items() if applies), None)
 
@@ -328,8 +343,9 @@ def _install_rejection_sampler() -> None:
             CALLS["rejection_sampler"] += 1
             device = logits.device
             batch, k = len(metadata.num_draft_tokens), metadata.max_spec_len
-            num_draft = torch.tensor(metadata.num_draft_tokens, dtype=torch.long, device=device)
-            first = metadata.cu_num_draft_tokens.long() - num_draft  # each request's first draft
+            ends = metadata.cu_num_draft_tokens.long()  # on the device already: no host-to-device copy
+            first = torch.cat([ends.new_zeros(1), ends[:-1]])  # each request's first draft
+            num_draft = ends - first
             step = torch.arange(k + 1, device=device)
             # Request b's logits rows: its drafts' rows, then its bonus row (repeated as padding).
             rows = first[:, None] + torch.arange(batch, device=device)[:, None] + torch.minimum(step, num_draft[:, None])

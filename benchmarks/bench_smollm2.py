@@ -1,0 +1,149 @@
+"""The real pair (SmolLM2-135M-Instruct + the drafters trained here) on the held-out prompts
+(qspec_ext/prompts/heldout.jsonl: coding, math, summarization, chat; disjoint from training).
+
+    python benchmarks/bench_smollm2.py acceptance [-k 1 3 5 7] [--per-category 21] [--max-new-tokens 128]
+    python benchmarks/bench_smollm2.py speed [--batch 1 4] [--prompts 8] [--rounds 3] [-k 3 5]
+    (both: [--drafting chain parallel] [--json PATH])
+
+acceptance: mean acceptance length (tokens per target forward) and acceptance per draft position
+by category and k, greedy and sampled at the seed card's settings (temperature 0.6, top-p 0.95,
+top-k 20), each category's prompts decoded together (acceptance does not depend on batching).
+
+speed: tokens/s of plain decoding (fp32 and bf16, eager and compiled) and speculative decoding
+(fp32 eager, each k), greedy, chat prompts through the template, stopping at the end of the turn,
+one process, the configurations interleaved round by round (A B C ... A B C ...): medians with the
+spread; each speed-up is the median of its rounds' ratios, against plain decoding in the same dtype
+and mode and against the fastest plain configuration of that round.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from qspec_ext import SpeculativeDecoder, generate_plain, load_pair
+from qspec_ext.decode import in_batches
+from qspec_ext.prompts import CATEGORIES, heldout_prompts
+from qspec_ext.shipped import drafter_dir, target_dir
+from qspec_ext.text import chat_ids, stop_ids
+
+SAMPLING = dict(temperature=0.6, top_p=0.95, top_k=20)
+
+
+def requests(category: str | None, count: int) -> list[list[int]]:
+    directory = target_dir("smollm2")
+    return [chat_ids(directory, [{"role": "user", "content": r["prompt"]}])
+            for r in heldout_prompts(category)[:count]]
+
+
+def acceptance(args) -> list[dict]:
+    stops = stop_ids(target_dir("smollm2"))
+    rows = []
+    for drafting in args.drafting:
+        target, drafter = load_pair("smollm2", drafter_dir("smollm2", parallel=drafting == "parallel"))
+        for category in CATEGORIES:
+            prompts = requests(category, args.per_category)
+            for mode, sampling in (("greedy", {}), ("sampled", SAMPLING)):
+                for k in args.k:
+                    s = SpeculativeDecoder(target, drafter, k).generate(prompts, args.max_new_tokens,
+                                                                       eos_token_id=stops, **sampling).stats
+                    rows.append(dict(drafting=drafting, category=category, mode=mode, k=k,
+                                     acceptance_length=s.mean_acceptance_length,
+                                     per_position=s.acceptance_rate_per_position, tokens=s.num_generated_tokens))
+                    print(f"{drafting:>8} {category:>13} {mode:>7} k={k}: {s.mean_acceptance_length:.2f} "
+                          f"({' '.join(f'{a:.2f}' for a in s.acceptance_rate_per_position)})", file=sys.stderr)
+    print(f"mean acceptance length (tokens per target forward), {args.per_category} prompts per category x "
+          f"{args.max_new_tokens} new tokens at most")
+    for drafting in args.drafting:
+        for mode in ("greedy", "sampled"):
+            print(f"{drafting}, {mode}: {'category':>13} " + " ".join(f"{'k=' + str(k):>6}" for k in args.k))
+            for category in (*CATEGORIES, "all"):
+                mine = [r for r in rows if r["drafting"] == drafting and r["mode"] == mode]
+                cells = []
+                for k in args.k:
+                    at_k = [r for r in mine if r["k"] == k and category in ("all", r["category"])]
+                    # all: weighted by the categories' generated tokens (as one run over every prompt)
+                    weight = sum(r["tokens"] / r["acceptance_length"] for r in at_k)
+                    cells.append(sum(r["tokens"] for r in at_k) / weight)
+                print(f"{'':>{len(drafting) + len(mode) + 3}}{category:>13} " + " ".join(f"{c:>6.2f}" for c in cells))
+    return rows
+
+
+def speed(args) -> list[dict]:
+    stops = stop_ids(target_dir("smollm2"))
+    prompts = requests("chat", args.prompts)
+    configs = {}  # name -> (dtype, mode, callable(prompts) -> GenerateResult)
+    for dtype in ("fp32", "bf16"):
+        target, chain = load_pair("smollm2", drafter_dir("smollm2"), dtype=dtype)
+        for compiled in (False, True):
+            name = f"plain {dtype} {'compiled' if compiled else 'eager'}"
+            configs[name] = (dtype, compiled, lambda p, t=target, c=compiled: generate_plain(
+                t, p, args.max_new_tokens, eos_token_id=stops, compile=c))
+        if dtype == "fp32":
+            for drafting in args.drafting:
+                drafter = chain if drafting == "chain" else load_pair(
+                    "smollm2", drafter_dir("smollm2", parallel=True), dtype=dtype)[1]
+                for k in args.k:
+                    decoder = SpeculativeDecoder(target, drafter, k)
+                    configs[f"{drafting} k={k} {dtype} eager"] = (dtype, False, lambda p, d=decoder: d.generate(
+                        p, args.max_new_tokens, eos_token_id=stops))
+    results = {}  # (name, batch) -> [tokens/s per round]
+    tokens = {}
+    for batch in args.batch:
+        for name, (_, compiled, run) in configs.items():
+            in_batches(run, prompts, batch, warmup=compiled)  # compiles / warms up, untimed
+        for round_ in range(args.rounds):
+            for name, (_, _, run) in configs.items():
+                result = in_batches(run, prompts, batch)
+                results.setdefault((name, batch), []).append(result.stats.tokens_per_second)
+                tokens.setdefault((name, batch), result.tokens)
+            print(f"batch {batch}: round {round_ + 1}/{args.rounds} done", file=sys.stderr)
+    rows = []
+    print(f"SmolLM2-135M-Instruct, {args.prompts} held-out chat prompts, at most {args.max_new_tokens} new tokens, "
+          f"greedy, {torch.get_num_threads()} threads; medians over {args.rounds} interleaved rounds (spread)")
+    for batch in args.batch:
+        plain_names = [n for n in configs if n.startswith("plain")]
+        best_plain = [max(results[n, batch][r] for n in plain_names) for r in range(args.rounds)]
+        reference = tokens["plain fp32 eager", batch]
+        print(f"batch {batch}: fastest plain per round {', '.join(f'{b:.1f}' for b in best_plain)} tok/s")
+        for name, (dtype, compiled, _) in configs.items():
+            rates = results[name, batch]
+            same = results[f"plain {dtype} {'compiled' if compiled else 'eager'}", batch]
+            row = dict(config=name, batch=batch, tokens_per_second=statistics.median(rates),
+                       spread=[min(rates), max(rates)],
+                       vs_same_plain=statistics.median(a / b for a, b in zip(rates, same)),
+                       vs_fastest_plain=statistics.median(a / b for a, b in zip(rates, best_plain)),
+                       same_tokens_as_plain_fp32=tokens[name, batch] == reference)
+            rows.append(row)
+            print(f"  {name:>26} {row['tokens_per_second']:7.1f} tok/s ({rates and min(rates):.1f}-{max(rates):.1f})"
+                  f"  x{row['vs_same_plain']:.2f} same dtype/mode  x{row['vs_fastest_plain']:.2f} fastest plain"
+                  f"  {'same tokens' if row['same_tokens_as_plain_fp32'] else 'tokens differ from fp32 plain'}")
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["acceptance", "speed"])
+    parser.add_argument("-k", type=int, nargs="+", default=None)
+    parser.add_argument("--drafting", nargs="+", choices=["chain", "parallel"], default=["chain"])
+    parser.add_argument("--per-category", type=int, default=21)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args()
+    args.k = args.k or ([1, 3, 5, 7] if args.what == "acceptance" else [3, 5])
+    start = time.perf_counter()
+    rows = acceptance(args) if args.what == "acceptance" else speed(args)
+    print(f"({time.perf_counter() - start:.0f} s)", file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
