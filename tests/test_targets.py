@@ -95,6 +95,16 @@ def test_the_package_has_no_import_cycles():
     assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
 
 
+def test_integrations_are_imported_only_by_their_engines():
+    """qspec_ext.integrations.* are entry points of serving engines (vLLM loads its plugin):
+    nothing in the package imports them, so qspec_ext never needs an engine installed."""
+    graph = import_graph()
+    assert "qspec_ext.integrations.vllm" in graph  # the graph sees them
+    importers = {m for m, deps in graph.items() if not m.startswith("qspec_ext.integrations")
+                 and any(d.startswith("qspec_ext.integrations") for d in deps)}
+    assert not importers, importers
+
+
 def test_the_cycle_finder_sees_function_level_imports():
     """The check above can fail: function-level imports are edges (cli imports demo inside a
     function), and the cycle the repairs removed (demo importing load_pair from cli) is found."""
