@@ -144,7 +144,7 @@ def test_the_shipped_drafters_are_lossless_and_accept_drafts(target, smollm2_dir
     or a broken save, d2t map or aux layer choice, stays at ~1.0: README, the real pair)."""
     from qspec_ext import Eagle3Drafter
 
-    drafter = Eagle3Drafter.from_pretrained(shipped_drafter(parallel), target=target)
+    drafter = Eagle3Drafter.from_pretrained(shipped_drafter(parallel), dtype=torch.float32, target=target)
     assert drafter.config.draft_vocab_size <= 16384 and drafter.config.arch == "qwen3"
     assert drafter.config.parallel_drafting == parallel
     prompts = [chat_ids(smollm2_dir, [{"role": "user", "content": q}]) for q in QUESTIONS]
