@@ -1,6 +1,8 @@
 """Clear errors at the public entry points: the decode API, the loaders, the trainer, the CLI."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -260,3 +262,12 @@ def test_bad_checkpoint_json_names_the_file(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3"}))
     with pytest.raises(qspec_ext.models.checkpoint.CheckpointError, match=str(tmp_path)):
         Eagle3Drafter.from_pretrained(tmp_path)
+
+
+def test_an_extension_that_does_not_load_names_the_rebuild_command():
+    script = 'import sys; sys.modules["qspec_ext._C"] = None; import qspec_ext'
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: qspec_ext's compiled extension does not load with torch"), last
+    assert "pip install --no-build-isolation qspec_ext" in last

@@ -4,34 +4,49 @@ The custom ops live in ``torch.ops.qspec_ext``; :mod:`qspec_ext.ops` has a typed
 documented wrapper for each, and :mod:`qspec_ext.reference` the pure-PyTorch spec.
 """
 
+import sys
+
 import torch
 
-from . import _C, ops, reference
-from .aux import AuxHiddenCapture, default_aux_layer_ids
-from .decode import GenerateResult, SpecDecodeStats, SpeculativeDecoder, generate_plain
-from .models import Eagle3Config, Eagle3Drafter
-from .pair import load_pair
-from .targets import Capabilities, HFTarget, NativeTarget, Target, load_target
-from .ops import (
-    eagle3_input_norm,
-    fused_add_rms_norm_,
-    gather_aux_hidden,
-    gather_aux_hidden_out,
-    qk_norm_rope_,
-    rms_norm,
-    verify_greedy,
-    verify_greedy_out,
-    verify_sampling,
-    verify_sampling_out,
-    verify_tree_greedy,
-    verify_tree_greedy_out,
-    verify_tree_sampling,
-    verify_tree_sampling_out,
-)
-from .sampling import apply_top_k_top_p
-from .rope import rope_cos_sin_cache
+try:
+    from . import _C
+except ImportError as error:  # built against another torch (or a broken install)
+    EXTENSION_PROBLEM = (f"qspec_ext's compiled extension does not load with torch {torch.__version__}: {error}. "
+                         "Rebuild it against this torch: pip install --no-build-isolation qspec_ext")
+    if "vllm.plugins" not in sys.modules:
+        raise ImportError(EXTENSION_PROBLEM) from error
+    # Inside vLLM's plugin loader the package stays importable (without its API), so the plugin can log
+    # one line and leave vLLM stock instead of failing the load with a traceback.
+else:
+    EXTENSION_PROBLEM = None
 
-__version__ = _C.version
+if EXTENSION_PROBLEM is None:
+    from . import ops, reference
+    from .aux import AuxHiddenCapture, default_aux_layer_ids
+    from .decode import GenerateResult, SpecDecodeStats, SpeculativeDecoder, generate_plain
+    from .models import Eagle3Config, Eagle3Drafter
+    from .pair import load_pair
+    from .targets import Capabilities, HFTarget, NativeTarget, Target, load_target
+    from .ops import (
+        eagle3_input_norm,
+        fused_add_rms_norm_,
+        gather_aux_hidden,
+        gather_aux_hidden_out,
+        qk_norm_rope_,
+        rms_norm,
+        verify_greedy,
+        verify_greedy_out,
+        verify_sampling,
+        verify_sampling_out,
+        verify_tree_greedy,
+        verify_tree_greedy_out,
+        verify_tree_sampling,
+        verify_tree_sampling_out,
+    )
+    from .sampling import apply_top_k_top_p
+    from .rope import rope_cos_sin_cache
+
+    __version__ = _C.version
 
 __all__ = [
     "AuxHiddenCapture",

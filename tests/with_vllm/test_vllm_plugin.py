@@ -3,6 +3,8 @@ greedy tokens with the same acceptance as without, each seam runs in the worker,
 follows the target's law, and it leaves vLLM stock where it must. Run in the vLLM venv."""
 
 import math
+import subprocess
+import sys
 from importlib.metadata import entry_points
 
 import pytest
@@ -41,6 +43,28 @@ def test_incompatible_vllm_or_torch_leaves_vllm_stock():
     assert "outside the tested range" in plugin.incompatibility("0.33.1", "2.13.0+cpu", "2.13.0+cpu")
     assert "outside the tested range" in plugin.incompatibility("0.31.9", "2.13.0+cpu", "2.13.0+cpu")
     assert "built with torch 2.14.1" in plugin.incompatibility("0.32.0", "2.13.0+cpu", "2.14.1")
+
+
+def test_an_extension_built_for_another_torch_leaves_vllm_stock_with_one_line():
+    # `sys.modules["qspec_ext._C"] = None` makes the extension's import fail as a build for another
+    # torch does (ImportError); vLLM's plugin loader must still get `register` and a one-line reason.
+    script = """
+import logging, sys
+sys.modules["qspec_ext._C"] = None
+import vllm.plugins
+from importlib.metadata import entry_points
+(entry,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "qspec_ext"]
+register = entry.load()
+register()
+from qspec_ext.integrations import vllm as plugin
+print("SEAMS", plugin.installed_seams())
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "SEAMS ()" in done.stdout
+    lines = [line for line in done.stderr.splitlines() if "qspec_ext" in line]
+    assert len(lines) == 1 and "leaving vLLM stock" in lines[0] and "pip install" in lines[0], done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
 
 
 # ---- the sampler, called directly -----------------------------------------------------------------

@@ -28,7 +28,10 @@ from collections import Counter
 import torch
 from torch import Tensor
 
-from .. import _C, ops
+from .. import EXTENSION_PROBLEM
+
+if EXTENSION_PROBLEM is None:  # else register() only logs why and leaves vLLM stock
+    from .. import _C, ops
 
 SEAMS = ("rms_norm", "rope", "qk_norm_rope", "aux_gather", "rejection_sampler")
 DISABLE_ENV = "QSPEC_VLLM_DISABLE"
@@ -77,7 +80,7 @@ def register() -> None:
     import vllm
 
     log = _logger()
-    problem = incompatibility(vllm.__version__, torch.__version__, _C.built_with_torch)
+    problem = EXTENSION_PROBLEM or incompatibility(vllm.__version__, torch.__version__, _C.built_with_torch)
     if problem:
         _state["seams"] = ()
         log.warning("qspec_ext: leaving vLLM stock: %s", problem)
