@@ -405,6 +405,67 @@ void check_verify_tree_out(std::string_view op, const at::Tensor& out_ids, const
   check_no_overlap(op, "path", path, "num_accepted", num_accepted);
 }
 
+AttentionShape check_cached_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                      const at::Tensor& positions, int64_t window,
+                                      const std::optional<at::Tensor>& tree_start,
+                                      const std::optional<at::Tensor>& tree_seen) {
+  constexpr std::string_view op = "cached_attention";
+  AttentionShape s{};
+  check_activation(op, "query", query);
+  QSPEC_CHECK(query.dim() == 4, op, "query", "must have shape [batch, tokens, heads_q, head_dim], got ",
+              query.sizes());
+  QSPEC_CHECK(query.stride(3) == 1, op, "query", "must have a contiguous last dimension, got strides ",
+              query.strides());
+  s.batch = query.size(0);
+  s.tokens = query.size(1);
+  s.heads_q = query.size(2);
+  s.head_dim = query.size(3);
+  QSPEC_CHECK(s.head_dim > 0 && s.head_dim <= kMaxHeadDim, op, "query", "must have head_dim in [1, ", kMaxHeadDim,
+              "], got ", s.head_dim);
+  for (const auto& [name, cache] : {std::pair<std::string_view, const at::Tensor&>{"k_cache", k_cache},
+                                    std::pair<std::string_view, const at::Tensor&>{"v_cache", v_cache}}) {
+    check_same_device(op, name, cache, query);
+    QSPEC_CHECK(cache.scalar_type() == query.scalar_type(), op, name, "must have the dtype of query (",
+                query.scalar_type(), "), got ", cache.scalar_type());
+    QSPEC_CHECK(cache.dim() == 3 && cache.size(2) == s.head_dim, op, name,
+                "must have shape [batch * max_length, heads_kv, ", s.head_dim, "], got ", cache.sizes());
+    QSPEC_CHECK(cache.is_contiguous(), op, name, "must be contiguous, got strides ", cache.strides());
+  }
+  QSPEC_CHECK(v_cache.sizes() == k_cache.sizes(), op, "v_cache", "must have the shape of k_cache (",
+              k_cache.sizes(), "), got ", v_cache.sizes());
+  s.heads_kv = k_cache.size(1);
+  QSPEC_CHECK(s.heads_kv > 0 && s.heads_q % s.heads_kv == 0, op, "k_cache",
+              "must have a number of heads (dim 1) that divides heads_q=", s.heads_q, ", got ", s.heads_kv);
+  QSPEC_CHECK(s.batch == 0 || k_cache.size(0) % s.batch == 0, op, "k_cache",
+              "must have batch * max_length slots (a multiple of batch=", s.batch, "), got ", k_cache.size(0));
+  s.max_length = s.batch > 0 ? k_cache.size(0) / s.batch : 0;
+  check_same_device(op, "positions", positions, query);
+  QSPEC_CHECK(positions.scalar_type() == at::kInt || positions.scalar_type() == at::kLong, op, "positions",
+              "must be int32 or int64, got ", positions.scalar_type());
+  QSPEC_CHECK(positions.dim() == 2 && positions.size(0) == s.batch && positions.size(1) == s.tokens, op, "positions",
+              "must have shape [", s.batch, ", ", s.tokens, "], got ", positions.sizes());
+  QSPEC_CHECK(window >= 0, op, "window", "must be >= 0 (0 = no sliding window), got ", window);
+  QSPEC_CHECK(tree_start.has_value() == tree_seen.has_value(), op, "tree_start/tree_seen",
+              "must both be given (a draft tree) or both be None");
+  s.has_tree = tree_start.has_value();
+  if (s.has_tree) {
+    check_same_device(op, "tree_start", *tree_start, query);
+    QSPEC_CHECK(tree_start->scalar_type() == at::kLong && tree_start->dim() == 1 && tree_start->size(0) == s.batch,
+                op, "tree_start", "must be an int64 tensor of shape [", s.batch, "], got ",
+                tree_start->scalar_type(), " ", tree_start->sizes());
+    check_same_device(op, "tree_seen", *tree_seen, query);
+    QSPEC_CHECK(tree_seen->scalar_type() == at::kBool && tree_seen->dim() == 3 && tree_seen->size(0) == s.batch &&
+                    tree_seen->size(1) == s.tokens,
+                op, "tree_seen", "must be a bool tensor of shape [", s.batch, ", ", s.tokens,
+                ", scratch], got ", tree_seen->scalar_type(), " ", tree_seen->sizes());
+    s.scratch = tree_seen->size(2);
+    QSPEC_CHECK(s.scratch <= s.max_length, op, "tree_seen", "must have a scratch size (dim 2) <= max_length=",
+                s.max_length, ", got ", s.scratch);
+  }
+  check_launch_size(op, "query", s.batch * s.tokens * s.heads_q, "batch * tokens * heads_q (blocks per key split)");
+  return s;
+}
+
 void check_eagle3_input_norm(const at::Tensor& embeds, const at::Tensor& hidden, const at::Tensor& embed_weight,
                              const at::Tensor& hidden_weight) {
   constexpr std::string_view op = "eagle3_input_norm";

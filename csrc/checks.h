@@ -127,6 +127,22 @@ TreeVerifyShape check_verify_tree(std::string_view op, const at::Tensor& draft_i
 void check_verify_tree_out(std::string_view op, const at::Tensor& out_ids, const at::Tensor& num_accepted,
                            const at::Tensor& path, const TreeVerifyShape& shape, const at::Tensor& target_logits);
 
+// Shapes of one cached_attention call, validated.
+struct AttentionShape {
+  int64_t batch, tokens, heads_q, heads_kv, head_dim, max_length;
+  int64_t scratch;  // S of tree_seen [B, T, S]; 0 without a tree
+  bool has_tree;
+};
+
+// query [B, T, Hq, D] (last dim contiguous), caches [B * L, Hkv, D] contiguous in the query's
+// dtype, positions [B, T] int32/int64 (any strides), window >= 0, and the tree pair when given
+// (tree_start [B] int64, tree_seen [B, T, S] bool, S <= L). Position values are checked by the
+// CPU half (the CUDA kernel clamps every key range to the cache instead of reading positions).
+AttentionShape check_cached_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                      const at::Tensor& positions, int64_t window,
+                                      const std::optional<at::Tensor>& tree_start,
+                                      const std::optional<at::Tensor>& tree_seen);
+
 void check_eagle3_input_norm(const at::Tensor& embeds, const at::Tensor& hidden, const at::Tensor& embed_weight,
                              const at::Tensor& hidden_weight);
 

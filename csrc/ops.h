@@ -66,4 +66,15 @@ void verify_tree_cuda(std::string_view op, const at::Tensor& draft_ids, const at
                       const std::optional<at::Tensor>& seed, const std::optional<at::Tensor>& offset,
                       const TreeVerifyShape& s, at::Tensor& out_ids, at::Tensor& num_accepted, at::Tensor& path);
 
+// ---- attention: decode attention over the used part of a static KV cache ----
+// The device halves; the op entry point around them is a template in attention_entry.h.
+void cached_attention_cpu(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& positions, double scale, int64_t window,
+                          const std::optional<at::Tensor>& tree_start, const std::optional<at::Tensor>& tree_seen,
+                          const AttentionShape& s, at::Tensor& out);
+void cached_attention_cuda(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& positions, double scale, int64_t window,
+                           const std::optional<at::Tensor>& tree_start, const std::optional<at::Tensor>& tree_seen,
+                           const AttentionShape& s, at::Tensor& out);
+
 }  // namespace qspec_ext

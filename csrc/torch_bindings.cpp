@@ -53,4 +53,12 @@ TORCH_LIBRARY(qspec_ext, m) {
   m.def(
       "verify_tree_sampling_out(Tensor draft_ids, Tensor parents, Tensor target_logits, Tensor temperature, "
       "Tensor seed, Tensor offset, Tensor(a!) out_ids, Tensor(b!) num_accepted, Tensor(c!) path) -> ()");
+
+  // Decode attention of query [B, T, Hq, D] over the static cache [B * L, Hkv, D] (GQA): query (b, t) at
+  // position p sees the keys at slots <= p (within the window when window > 0), or with a tree the context
+  // before tree_start[b] plus the scratch slots tree_start[b] + s its tree_seen[b, t, s] marks; reads only
+  // those slots. Padding queries (position -1) give zeros.
+  m.def(
+      "cached_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor positions, float scale, int window=0, "
+      "Tensor? tree_start=None, Tensor? tree_seen=None) -> Tensor");
 }

@@ -9,6 +9,7 @@ or wrote with an eager call on the same values, exactly: same kernel, same input
 
 import pytest
 import torch
+from test_attention import attention_inputs
 from test_aux_gather import make_inputs as aux_inputs
 from test_norm_rope import RopeCase, make_rope_inputs
 from test_verify import sampling_case
@@ -65,6 +66,11 @@ def tree_args(seed, sampling, out=False):
     return [t.cuda() for t in args + outputs]
 
 
+def attention_args(seed, tree):
+    a = attention_inputs(4, 4, 16, 4, 128, 1024, torch.bfloat16, "cuda", seed=seed, scratch=8 if tree else None)
+    return [a["query"], a["k_cache"], a["v_cache"], a["positions"], a["scale"], 0, a["tree_start"], a["tree_seen"]]
+
+
 # (op, case id, inputs for a seed: the op's positional arguments)
 CASES = [
     ("rms_norm", "T7-H4096-bf16", lambda s: norm_args("rms_norm", s)),
@@ -74,6 +80,8 @@ CASES = [
     ("qk_norm_rope_", "qwen3-kv_cache", rope_args(kv_cache=True)),
     ("gather_aux_hidden", "n3-H4096-N5-fc_norm", aux_args),
     ("gather_aux_hidden_out", "n3-H4096-N5-fc_norm", lambda s: aux_args(s, out=True)),
+    ("cached_attention", "B4-T4-Hq16-Hkv4-D128-L1024-bf16", lambda s: attention_args(s, tree=False)),
+    ("cached_attention", "B4-T4-Hq16-Hkv4-D128-L1024-bf16-tree", lambda s: attention_args(s, tree=True)),
     ("verify_greedy", "B8-K4-V32000", lambda s: verify_args(s, sampling=False)),
     ("verify_greedy_out", "B8-K4-V32000", lambda s: verify_args(s, sampling=False, out=True)),
     ("verify_sampling", "B8-K4-V32000-d2t", lambda s: verify_args(s, sampling=True)),

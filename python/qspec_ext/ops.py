@@ -230,6 +230,35 @@ def verify_tree_sampling_out(draft_ids: torch.Tensor, parents: torch.Tensor, tar
                                   num_accepted, path)
 
 
+def cached_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    tree_start: torch.Tensor | None = None,
+    tree_seen: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode attention of ``query [B, T, Hq, D]`` (last dim contiguous) over a static KV cache
+    ``k_cache``/``v_cache [B * L, Hkv, D]`` (request b's slot j at row ``b * L + j``; ``Hq`` a
+    multiple of ``Hkv``), softmax in fp32 with scores scaled by ``scale``. Returns ``[B, T, Hq, D]``.
+
+    Query (b, t) at ``positions[b, t]`` = p sees the slots ``j <= p``; with a draft tree, the
+    context slots ``j < tree_start[b]`` and the scratch slots ``tree_start[b] + s`` that
+    ``tree_seen [B, T, S]`` marks (``tree_start[b] = -1``: the request is inactive). With
+    ``window > 0`` only slots ``j > p - window``. Padding queries (p = -1) and queries that see
+    no slot give zeros. Only the slots a query can see are read: the cost follows the context
+    used, not the cache allocated.
+    """
+    return _ops.cached_attention(query, k_cache, v_cache, positions, scale, window, tree_start, tree_seen)
+
+
+@torch.library.register_fake("qspec_ext::cached_attention")
+def _cached_attention_fake(query, k_cache, v_cache, positions, scale, window=0, tree_start=None, tree_seen=None):
+    return torch.empty_like(query, memory_format=torch.contiguous_format)
+
+
 @torch.library.register_fake("qspec_ext::rms_norm")
 def _rms_norm_fake(input, weight, eps):
     return torch.empty_like(input, memory_format=torch.contiguous_format)

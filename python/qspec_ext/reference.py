@@ -108,6 +108,41 @@ def gather_aux_hidden(
     return fc_input.to(aux[0].dtype)
 
 
+# ----------------------------------------------------------------------------- attention
+
+
+def cached_attention(query, k_cache, v_cache, positions, scale, window=0, tree_start=None, tree_seen=None):
+    """Softmax attention of query [B, T, Hq, D] over every slot of the cache [B * L, Hkv, D],
+    with a mask saying which slots each query sees (see ops.cached_attention)."""
+    batch, tokens, heads, head_dim = query.shape
+    length, kv_heads = k_cache.shape[0] // batch, k_cache.shape[1]
+    group = heads // kv_heads
+    keys = k_cache.view(batch, length, kv_heads, head_dim).float().repeat_interleave(group, dim=2)
+    values = v_cache.view(batch, length, kv_heads, head_dim).float().repeat_interleave(group, dim=2)
+    scores = torch.einsum("bthd,blhd->bhtl", query.float(), keys) * scale
+
+    slot = torch.arange(length, device=query.device)
+    position = positions.long()[:, :, None]  # [B, T, 1]
+    if tree_start is None:
+        seen = slot <= position
+    else:
+        start = tree_start[:, None, None]
+        scratch = tree_seen.shape[2]
+        offset = (slot - start).expand(batch, tokens, length)
+        in_scratch = (offset >= 0) & (offset < scratch)
+        marked = torch.zeros_like(in_scratch)
+        if scratch > 0:
+            marked = torch.gather(tree_seen, 2, offset.clamp(0, scratch - 1))
+        seen = ((slot < start) | (in_scratch & marked)) & (start >= 0)
+    if window > 0:
+        seen = seen & (slot > position - window)
+    seen = seen & (position >= 0)
+
+    weights = torch.softmax(scores.masked_fill(~seen[:, None], float("-inf")), dim=-1)
+    weights = weights.nan_to_num(0.0)  # a query that sees nothing gives zeros
+    return torch.einsum("bhtl,blhd->bthd", weights, values).to(query.dtype)
+
+
 # ----------------------------------------------------------------------------- verification
 
 _MASK32 = 0xFFFFFFFF

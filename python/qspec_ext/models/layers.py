@@ -65,19 +65,19 @@ class Attention(nn.Module):
                        positions: torch.Tensor, eps: float, window: int | None = None,
                        tree: "TreeAttention | None" = None) -> torch.Tensor:
         """o_proj(attention) of u ``[B*T, in]`` at positions ``[B, T]`` (-1 pads): packed QKV,
-        qk_norm_rope_ with the K/V written into the cache, attention over the cache. Chains use
-        the slot of each position and a causal mask by position; a draft tree brings its own
-        slots and mask (:class:`TreeAttention`)."""
+        qk_norm_rope_ with the K/V written into the cache, cached_attention over the slots in use.
+        Chains use the slot of each position, causal by position; a draft tree brings its own
+        slots and what each node sees (:class:`TreeAttention`)."""
         batch, tokens = positions.shape
         max_length = cache[0].shape[0] // batch
         qkv = self.qkv(u)
         slots = cache_slots(positions, max_length) if tree is None else tree.slots
         ops.qk_norm_rope_(qkv, *self.qk_norm_weights(), cos_sin, positions.reshape(-1).clamp(min=0), self.heads,
                           self.kv_heads, self.head_dim, eps, True, *cache, slots)
-        q = qkv[:, : self.heads * self.head_dim].view(batch, tokens, self.heads, self.head_dim)
-        context = cached_attention(q.transpose(1, 2), *cache, positions, max_length, window,
-                                   None if tree is None else tree.mask)
-        return self.o_proj(context.transpose(1, 2).reshape(batch * tokens, -1))
+        q = qkv[:, : self.heads * self.head_dim].reshape(batch, tokens, self.heads, self.head_dim)
+        tree_args = (None, None) if tree is None else (tree.start, tree.seen)
+        context = ops.cached_attention(q, *cache, positions, self.head_dim**-0.5, window or 0, *tree_args)
+        return self.o_proj(context.reshape(batch * tokens, -1))
 
 
 class MLP(nn.Module):
@@ -99,26 +99,6 @@ def cache_slots(positions: torch.Tensor, max_length: int) -> torch.Tensor:
     return torch.where(positions >= 0, start + positions, -1).reshape(-1)
 
 
-def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
-                     max_length: int, window: int | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of q ``[B, Hq, T, D]`` over a ``[B * max_length, Hkv, D]`` cache, masked
-    by position (a key is seen when its position is <= the query's, and within the window), or
-    by an explicit ``mask [B, 1, T, max_length]`` (draft trees). Entries past a query's position
-    may be stale drafts: the mask hides them."""
-    batch, _, _, head_dim = q.shape
-    kv_heads = k_cache.shape[1]
-    keys = k_cache.view(batch, max_length, kv_heads, head_dim).transpose(1, 2)
-    values = v_cache.view(batch, max_length, kv_heads, head_dim).transpose(1, 2)
-    key_pos = torch.arange(max_length, device=q.device)
-    query_pos = positions[:, None, :, None]
-    if mask is None:
-        mask = key_pos <= query_pos
-    if window is not None:
-        mask = mask & (key_pos > query_pos - window)
-    mask = mask | ((query_pos < 0) & (key_pos == 0))  # padding queries: any finite row
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-
-
 class TreeAttention:
     """Where draft-tree tokens go and what they see. The tree's scratch region is the cache
     slots from ``start[b]`` (the position of the tree's first token) on; token j of this call is
@@ -128,17 +108,12 @@ class TreeAttention:
     nothing."""
 
     def __init__(self, start: torch.Tensor, seen: torch.Tensor, max_length: int, first: int = 0):
-        batch, tokens, scratch = seen.shape
+        batch, tokens, _ = seen.shape
         device = seen.device
-        active = (start >= 0)[:, None]
         base = torch.arange(batch, device=device)[:, None] * max_length
         slot = start[:, None] + first + torch.arange(tokens, device=device)
-        self.slots = torch.where(active, base + slot, -1).reshape(-1)
-        keys = torch.arange(max_length, device=device)
-        mask = (keys < start[:, None, None]).expand(batch, tokens, max_length).clone()
-        region = (start[:, None] + torch.arange(scratch, device=device)).clamp(0, max_length - 1)
-        mask.scatter_(2, region[:, None, :].expand(batch, tokens, scratch), seen & active[:, :, None])
-        self.mask = mask[:, None]
+        self.slots = torch.where((start >= 0)[:, None], base + slot, -1).reshape(-1)
+        self.start, self.seen = start.long(), seen  # what cached_attention takes
 
 
 def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:

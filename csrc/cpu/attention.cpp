@@ -1,0 +1,225 @@
+// CPU kernel of cached decode attention. Work items are (request, KV head, key split): an item
+// reads its slice of the request's used key slots once, in blocks of kKeyBlock keys, for all the
+// queries that share the KV head (the T tokens x the GQA group), with an online softmax in fp32.
+// A second pass merges the splits' partial (max, sum, accumulator) states into the output.
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "attention_entry.h"
+#include "cpu_common.h"
+#include "ops.h"
+#include "qspec_ext/attention.h"
+
+namespace qspec_ext {
+namespace {
+
+using namespace cpu;
+
+constexpr int64_t kKeyBlock = 32;
+// Fewest keys a split is given: below that a thread costs more than the keys it reads.
+constexpr int64_t kMinKeysPerSplit = 128;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// 16 independent partial sums, so the loop vectorizes (as sum_squares in cpu_common.h).
+QSPEC_INLINE float dot(const float* __restrict__ a, const float* __restrict__ b, int64_t n) {
+  float acc[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) acc[j] += a[i + j] * b[i + j];
+  float total = 0.f;
+  for (; i < n; ++i) total += a[i] * b[i];
+  for (int j = 0; j < 16; ++j) total += acc[j];
+  return total;
+}
+
+// The online-softmax state of one query: running max m, running sum l, accumulator acc[D].
+// Stored as [m, l, acc...] rows of width D + 2.
+QSPEC_INLINE void reset_states(float* state, int64_t count, int64_t width) {
+  for (int64_t i = 0; i < count; ++i) {
+    float* row = state + i * width;
+    row[0] = kNegInf;
+    std::fill_n(row + 1, width - 1, 0.f);
+  }
+}
+
+// Keys [begin, end) of request b for KV head h, for the queries of its T tokens x G heads.
+template <typename T>
+QSPEC_INLINE void attend_keys_impl(const AttentionParams<T>& p, int64_t b, int64_t h, int64_t begin, int64_t end,
+                                   float* state) {
+  const int64_t D = p.head_dim, G = p.heads_q / p.heads_kv, width = D + 2;
+  const int64_t row_stride = p.heads_kv * D;  // between consecutive slots of one head
+  reset_states(state, p.tokens * G, width);
+  if (begin >= end) return;
+  std::vector<KeyRange> ranges(p.tokens);
+  std::vector<float> q(p.tokens * G * D);
+  for (int64_t t = 0; t < p.tokens; ++t) {
+    ranges[t] = key_range(p, b, t);
+    for (int64_t g = 0; g < G; ++g) {
+      const T* src = p.query + b * p.q_stride_b + t * p.q_stride_t + (h * G + g) * p.q_stride_h;
+      float* dst = q.data() + (t * G + g) * D;
+      load_float(src, dst, D);
+      for (int64_t d = 0; d < D; ++d) dst[d] *= p.scale;
+    }
+  }
+  constexpr bool direct = std::is_same_v<T, float>;  // fp32 caches are read in place
+  std::vector<float> key_rows(direct ? 0 : kKeyBlock * D), value_rows(direct ? 0 : kKeyBlock * D);
+  float scores[kKeyBlock];
+  const int64_t first_slot = b * p.max_length;
+  for (int64_t block = begin; block < end; block += kKeyBlock) {
+    const int64_t n = std::min(kKeyBlock, end - block);
+    const T* k_src = p.k_cache + (first_slot + block) * row_stride + h * D;
+    const T* v_src = p.v_cache + (first_slot + block) * row_stride + h * D;
+    const float* keys;
+    const float* values;
+    int64_t stride;
+    if constexpr (direct) {
+      keys = k_src, values = v_src, stride = row_stride;
+    } else {
+      for (int64_t j = 0; j < n; ++j) {
+        load_float(k_src + j * row_stride, key_rows.data() + j * D, D);
+        load_float(v_src + j * row_stride, value_rows.data() + j * D, D);
+      }
+      keys = key_rows.data(), values = value_rows.data(), stride = D;
+    }
+    for (int64_t t = 0; t < p.tokens; ++t) {
+      const KeyRange range = ranges[t];
+      if (range.hi <= block || range.lo >= block + n) continue;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qi = q.data() + (t * G + g) * D;
+        float* row = state + (t * G + g) * width;
+        float* acc = row + 2;
+        float block_max = kNegInf;
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t key = block + j;
+          const bool seen = key >= range.lo && key < range.hi && key_seen(p, b, t, key);
+          scores[j] = seen ? dot(qi, keys + j * stride, D) : kNegInf;
+          block_max = std::max(block_max, scores[j]);
+        }
+        if (block_max == kNegInf) continue;
+        const float new_max = std::max(row[0], block_max);
+        const float correction = std::exp(row[0] - new_max);  // 0 while nothing was seen
+        if (correction != 1.f) {
+          row[1] *= correction;
+          for (int64_t d = 0; d < D; ++d) acc[d] *= correction;
+        }
+        for (int64_t j = 0; j < n; ++j) {
+          if (scores[j] == kNegInf) continue;
+          const float weight = std::exp(scores[j] - new_max);
+          row[1] += weight;
+          const float* v = values + j * stride;
+          for (int64_t d = 0; d < D; ++d) acc[d] += weight * v[d];
+        }
+        row[0] = new_max;
+      }
+    }
+  }
+}
+
+QSPEC_CPU_CLONES void attend_keys(const AttentionParams<float>& p, int64_t b, int64_t h, int64_t begin, int64_t end,
+                                  float* state) {
+  attend_keys_impl(p, b, h, begin, end, state);
+}
+QSPEC_CPU_CLONES void attend_keys(const AttentionParams<c10::Half>& p, int64_t b, int64_t h, int64_t begin,
+                                  int64_t end, float* state) {
+  attend_keys_impl(p, b, h, begin, end, state);
+}
+QSPEC_CPU_CLONES void attend_keys(const AttentionParams<c10::BFloat16>& p, int64_t b, int64_t h, int64_t begin,
+                                  int64_t end, float* state) {
+  attend_keys_impl(p, b, h, begin, end, state);
+}
+
+// out = the softmax-weighted values, merged over the splits' states of each query.
+template <typename T>
+void merge_splits(const AttentionParams<T>& p, int64_t b, int64_t h, int64_t splits, const float* states) {
+  const int64_t D = p.head_dim, G = p.heads_q / p.heads_kv, queries = p.tokens * G, width = D + 2;
+  std::vector<float> merged(D);
+  for (int64_t i = 0; i < queries; ++i) {
+    const int64_t t = i / G, g = i % G;
+    float top = kNegInf;
+    for (int64_t s = 0; s < splits; ++s) top = std::max(top, states[(s * queries + i) * width]);
+    if (top == kNegInf) continue;  // sees no key: the output keeps its zeros
+    float total = 0.f;
+    std::fill(merged.begin(), merged.end(), 0.f);
+    for (int64_t s = 0; s < splits; ++s) {
+      const float* row = states + (s * queries + i) * width;
+      if (row[0] == kNegInf) continue;
+      const float factor = std::exp(row[0] - top);
+      total += row[1] * factor;
+      for (int64_t d = 0; d < D; ++d) merged[d] += row[2 + d] * factor;
+    }
+    T* out = p.out + ((b * p.tokens + t) * p.heads_q + h * G + g) * D;
+    const float inv = 1.f / total;
+    for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T>(merged[d] * inv);
+  }
+}
+
+}  // namespace
+
+void cached_attention_cpu(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& positions, double scale, int64_t window,
+                          const std::optional<at::Tensor>& tree_start, const std::optional<at::Tensor>& tree_seen,
+                          const AttentionShape& s, at::Tensor& out) {
+  constexpr std::string_view op = "cached_attention";
+  check_index_range(op, "positions", positions, -1, s.max_length, "cache positions, -1 = padding");
+  if (s.has_tree) check_index_range(op, "tree_start", *tree_start, -1, s.max_length, "cache slots, -1 = inactive");
+  QSPEC_DISPATCH_ACTIVATION(query.scalar_type(), "cached_attention_cpu", [&] {
+    AttentionParams<scalar_t> p{};
+    p.query = query.const_data_ptr<scalar_t>();
+    p.q_stride_b = query.stride(0), p.q_stride_t = query.stride(1), p.q_stride_h = query.stride(2);
+    p.k_cache = k_cache.const_data_ptr<scalar_t>();
+    p.v_cache = v_cache.const_data_ptr<scalar_t>();
+    p.positions = positions.const_data_ptr();
+    p.positions_i64 = positions.scalar_type() == at::kLong;
+    p.tree_start = s.has_tree ? tree_start->const_data_ptr<int64_t>() : nullptr;
+    p.tree_seen = s.has_tree ? tree_seen->const_data_ptr<bool>() : nullptr;
+    p.out = out.mutable_data_ptr<scalar_t>();
+    p.batch = s.batch, p.tokens = s.tokens, p.heads_q = s.heads_q, p.heads_kv = s.heads_kv;
+    p.head_dim = s.head_dim, p.max_length = s.max_length, p.scratch = s.scratch;
+    p.window = window;
+    p.scale = static_cast<float>(scale);
+
+    // Each request's used key span: the union of its queries' key ranges.
+    std::vector<KeyRange> span(s.batch);
+    int64_t longest = 0;
+    for (int64_t b = 0; b < s.batch; ++b) {
+      KeyRange u{s.max_length, 0};
+      for (int64_t t = 0; t < s.tokens; ++t) {
+        const KeyRange r = key_range(p, b, t);
+        if (r.hi > r.lo) u = {std::min(u.lo, r.lo), std::max(u.hi, r.hi)};
+      }
+      span[b] = u;
+      longest = std::max(longest, u.hi - u.lo);
+    }
+    // Enough items to keep every thread busy when batch * heads_kv is small (flash-decoding).
+    const int64_t groups = s.batch * s.heads_kv;
+    const int64_t wanted = (2 * at::get_num_threads() + groups - 1) / groups;
+    const int64_t splits = std::max<int64_t>(1, std::min(wanted, (longest + kMinKeysPerSplit - 1) / kMinKeysPerSplit));
+    const int64_t queries = s.tokens * (s.heads_q / s.heads_kv), width = s.head_dim + 2;
+    std::vector<float> states(groups * splits * queries * width);
+    at::parallel_for(0, groups * splits, 1, [&](int64_t first, int64_t last) {
+      for (int64_t item = first; item < last; ++item) {
+        const int64_t group = item / splits, split = item % splits, b = group / s.heads_kv, h = group % s.heads_kv;
+        const KeyRange u = span[b];
+        const int64_t chunk = std::max<int64_t>(0, (u.hi - u.lo + splits - 1) / splits);
+        const int64_t begin = u.lo + split * chunk, end = std::min(u.hi, begin + chunk);
+        attend_keys(p, b, h, begin, end, states.data() + item * queries * width);
+      }
+    });
+    at::parallel_for(0, groups, 1, [&](int64_t first, int64_t last) {
+      for (int64_t group = first; group < last; ++group)
+        merge_splits(p, group / s.heads_kv, group % s.heads_kv, splits,
+                     states.data() + group * splits * queries * width);
+    });
+  });
+}
+
+TORCH_LIBRARY_IMPL(qspec_ext, CPU, m) {
+  m.impl("cached_attention", &cached_attention_entry<c10::DeviceType::CPU, cached_attention_cpu>);
+}
+
+}  // namespace qspec_ext

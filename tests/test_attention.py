@@ -1,0 +1,182 @@
+"""cached_attention: the kernels against the pure-PyTorch reference (chains, GQA, sliding
+windows, draft trees, padding, dtypes, key splits), that they read only the slots a query sees,
+opcheck, compile, and bad input."""
+
+import pytest
+import torch
+from conftest import assert_close
+
+from qspec_ext import ops, reference
+
+ATTENTION_TOLERANCES = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
+                        torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
+
+
+def attention_inputs(batch, tokens, heads_q, heads_kv, head_dim, max_length, dtype, device, seed=0, contexts=None,
+                     scratch=None):
+    """Query as the models pass it (a strided view of a packed QKV projection), caches, and
+    positions: request b's tokens at the last positions of a context of contexts[b] tokens
+    (random by default); with ``scratch``, a draft tree: tree_start [B] (request 1 inactive when
+    B > 1), tree_seen [B, T, scratch] random, positions start + depth."""
+    g = torch.Generator().manual_seed(seed)
+    width = (heads_q + 2 * heads_kv) * head_dim
+    qkv = torch.randn(batch * tokens, width, generator=g).to(dtype)
+    query = qkv[:, : heads_q * head_dim].reshape(batch, tokens, heads_q, head_dim)
+    k_cache = torch.randn(batch * max_length, heads_kv, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(batch * max_length, heads_kv, head_dim, generator=g).to(dtype)
+    if contexts is None:
+        contexts = torch.randint(tokens, max_length + 1, (batch,), generator=g).tolist()
+    tree_start = tree_seen = None
+    if scratch is None:
+        positions = torch.stack([torch.arange(c - tokens, c) for c in contexts])
+    else:
+        start = [min(c, max_length - scratch) for c in contexts]
+        tree_start = torch.tensor(start)
+        if batch > 1:
+            tree_start[1] = -1
+        tree_seen = torch.rand(batch, tokens, scratch, generator=g) < 0.5
+        depth = torch.randint(0, scratch, (batch, tokens), generator=g)
+        positions = torch.where(tree_start[:, None] >= 0, tree_start[:, None] + depth, -1)
+    if batch > 2:
+        positions[2, -1] = -1  # a padding query
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return dict(query=query.to(device), k_cache=k_cache.to(device), v_cache=v_cache.to(device),
+                positions=positions.to(device), scale=head_dim**-0.5, tree_start=to(tree_start),
+                tree_seen=to(tree_seen))
+
+
+def check_against_reference(inputs, window=0):
+    got = ops.cached_attention(**inputs, window=window)
+    expected = reference.cached_attention(**inputs, window=window)
+    assert got.shape == inputs["query"].shape and got.is_contiguous()
+    torch.testing.assert_close(got, expected, **ATTENTION_TOLERANCES[expected.dtype])
+    return got
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads_q,heads_kv,head_dim", [(4, 4, 64), (9, 3, 64), (16, 2, 128), (2, 1, 40)])
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_chains_match_the_reference(device, dtype, heads_q, heads_kv, head_dim, tokens):
+    inputs = attention_inputs(3, tokens, heads_q, heads_kv, head_dim, 200, dtype, device)
+    check_against_reference(inputs)
+
+
+@pytest.mark.parametrize("window", [1, 5, 64])
+def test_a_sliding_window_matches_the_reference(device, window):
+    check_against_reference(attention_inputs(3, 4, 8, 2, 64, 300, torch.float32, device), window=window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scratch", [1, 6, 24])
+def test_draft_trees_match_the_reference(device, dtype, scratch):
+    inputs = attention_inputs(3, 5, 8, 2, 64, 160, dtype, device, scratch=scratch)
+    got = check_against_reference(inputs)
+    assert (got[1] == 0).all()  # the inactive request
+
+
+def test_long_contexts_split_over_keys_and_match_the_reference(device):
+    # One request, one KV head: the kernels split its keys over several work items and merge them.
+    for contexts in ([3001], [129], [4096]):
+        check_against_reference(attention_inputs(1, 2, 4, 1, 64, 4096, torch.float32, device, contexts=contexts))
+    check_against_reference(attention_inputs(2, 1, 8, 8, 128, 8192, torch.bfloat16, device, contexts=[8000, 17]))
+
+
+def test_padding_queries_and_queries_that_see_nothing_give_zeros(device):
+    inputs = attention_inputs(3, 3, 4, 2, 64, 50, torch.float32, device)
+    inputs["positions"][0] = -1
+    got = check_against_reference(inputs)
+    assert (got[0] == 0).all() and (got[2, -1] == 0).all()
+    tree = attention_inputs(2, 2, 4, 2, 64, 50, torch.float32, device, contexts=[0, 0], scratch=3)
+    tree["tree_seen"][0, 0] = False  # no context, no scratch slot: nothing seen
+    assert (check_against_reference(tree)[0, 0] == 0).all()
+
+
+@pytest.mark.parametrize("case", ["chain", "window", "tree"])
+def test_only_the_slots_a_query_sees_are_read(device, case):
+    """Every slot no query sees holds NaN (K and V): a kernel that read one, even to mask it, would
+    return NaN; the result equals the reference on the clean cache."""
+    window = 7 if case == "window" else 0
+    inputs = attention_inputs(3, 4, 8, 2, 64, 256, torch.float32, device, scratch=6 if case == "tree" else None)
+    expected = reference.cached_attention(**inputs, window=window)
+    seen = torch.zeros(3, 256, dtype=torch.bool)
+    for b in range(3):
+        for t in range(4):
+            p = int(inputs["positions"][b, t])
+            if p < 0:
+                continue
+            if case == "tree":
+                start = int(inputs["tree_start"][b])
+                if start < 0:
+                    continue
+                seen[b, :start] = True
+                seen[b, start : start + 6] |= inputs["tree_seen"][b, t].cpu()
+            else:
+                seen[b, max(0, p - window + 1) if window else 0 : p + 1] = True
+    unseen = ~seen.reshape(-1).to(device)
+    for cache in (inputs["k_cache"], inputs["v_cache"]):
+        cache[unseen] = float("nan")
+    got = ops.cached_attention(**inputs, window=window)
+    assert not got.isnan().any()
+    assert_close(got, expected)
+
+
+def test_integer_positions_and_expanded_index_tensors(device):
+    inputs = attention_inputs(2, 3, 4, 2, 64, 40, torch.float32, device, scratch=4)
+    expected = reference.cached_attention(**inputs)
+    inputs["positions"] = inputs["positions"].int()
+    inputs["tree_seen"] = inputs["tree_seen"][:, :1].expand(2, 3, 4)  # strided (stride 0)
+    assert_close(ops.cached_attention(**inputs), reference.cached_attention(**inputs))
+    assert expected.shape == inputs["query"].shape
+
+
+def test_opcheck_and_compile(device):
+    chain = attention_inputs(3, 2, 4, 2, 64, 64, torch.float32, device)
+    tree = attention_inputs(3, 2, 4, 2, 64, 64, torch.float32, device, scratch=5)
+    for inputs in (chain, tree):
+        args = [inputs[k] for k in ("query", "k_cache", "v_cache", "positions", "scale")]
+        torch.library.opcheck(torch.ops.qspec_ext.cached_attention.default,
+                              (*args, 3, inputs["tree_start"], inputs["tree_seen"]))
+    compiled = torch.compile(lambda inputs: ops.cached_attention(**inputs) * 2, fullgraph=True, dynamic=False)
+    assert_close(compiled(chain), ops.cached_attention(**chain) * 2)
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda a: a.update(query=a["query"][0]), "argument 'query' must have shape [batch, tokens, heads_q, head_dim]"),
+    (lambda a: a.update(query=a["query"].transpose(2, 3)), "argument 'query' must have a contiguous last dimension"),
+    (lambda a: a.update(k_cache=a["k_cache"].half()), "argument 'k_cache' must have the dtype of query"),
+    (lambda a: a.update(v_cache=a["v_cache"][:-1]), "argument 'v_cache' must have the shape of k_cache"),
+    (lambda a: a.update(k_cache=a["k_cache"][:-1], v_cache=a["v_cache"][:-1]), "a multiple of batch=3"),
+    (lambda a: a.update(k_cache=a["k_cache"][:, :1].expand(-1, 3, -1).contiguous(),
+                        v_cache=a["v_cache"][:, :1].expand(-1, 3, -1).contiguous()), "divides heads_q=4"),
+    (lambda a: a.update(positions=a["positions"][:2]), "argument 'positions' must have shape [3, 2]"),
+    (lambda a: a.update(positions=a["positions"].float()), "argument 'positions' must be int32 or int64"),
+    (lambda a: a["positions"].__setitem__((1, 1), 64), "argument 'positions' must hold values in [-1, 64)"),
+    (lambda a: a["positions"].__setitem__((0, 0), -2), "argument 'positions' must hold values in [-1, 64)"),
+    (lambda a: a.update(window=-1), "argument 'window' must be >= 0"),
+    (lambda a: a.update(tree_start=torch.zeros(3, dtype=torch.long)), "'tree_start/tree_seen' must both be given"),
+    (lambda a: a.update(tree_start=torch.zeros(3, dtype=torch.long), tree_seen=torch.ones(3, 2, 65, dtype=torch.bool)),
+     "scratch size (dim 2) <= max_length=64"),
+    (lambda a: a.update(tree_start=torch.full((3,), 64), tree_seen=torch.ones(3, 2, 4, dtype=torch.bool)),
+     "argument 'tree_start' must hold values in [-1, 64)"),
+    (lambda a: a.update(tree_start=torch.zeros(3, dtype=torch.int32), tree_seen=torch.ones(3, 2, 4, dtype=torch.bool)),
+     "argument 'tree_start' must be an int64 tensor"),
+])
+def test_bad_input_names_the_argument(change, message):
+    inputs = attention_inputs(3, 2, 4, 2, 64, 64, torch.float32, "cpu")
+    inputs["window"] = 0
+    change(inputs)
+    with pytest.raises(RuntimeError, match="qspec_ext.cached_attention: argument '") as error:
+        ops.cached_attention(**inputs)
+    assert message in str(error.value)
+
+
+def test_the_result_does_not_depend_on_the_cache_allocated(device):
+    """The same context in a 64-slot and a 4096-slot cache gives the same output, bit for bit on
+    one split (the kernel only walks the used slots)."""
+    small = attention_inputs(2, 3, 8, 2, 64, 64, torch.float32, device, contexts=[40, 64])
+    large = dict(small)
+    for name in ("k_cache", "v_cache"):
+        grown = torch.randn(2, 4096, 2, 64, device=device)
+        grown[:, :64] = small[name].view(2, 64, 2, 64)
+        large[name] = grown.view(2 * 4096, 2, 64)
+    assert torch.equal(ops.cached_attention(**small), ops.cached_attention(**large))
