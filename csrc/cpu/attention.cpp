@@ -2,7 +2,9 @@
 // reads its slice of the request's used key slots once, in blocks of kKeyBlock keys, for all the
 // queries that share the KV head (the T tokens x the GQA group), with an online softmax in fp32.
 // A second pass merges the splits' partial (max, sum, accumulator) states into the output.
+#include <bit>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -25,16 +27,58 @@ constexpr int64_t kKeyBlock = 32;
 constexpr int64_t kMinKeysPerSplit = 128;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// 16 independent partial sums, so the loop vectorizes (as sum_squares in cpu_common.h).
-QSPEC_INLINE float dot(const float* __restrict__ a, const float* __restrict__ b, int64_t n) {
-  float acc[16] = {};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int j = 0; j < 16; ++j) acc[j] += a[i + j] * b[i + j];
-  float total = 0.f;
-  for (; i < n; ++i) total += a[i] * b[i];
-  for (int j = 0; j < 16; ++j) total += acc[j];
-  return total;
+// exp(x) for the softmax weights, written with plain float / int operations so that a loop of
+// them vectorizes (libm's expf does not): Cody-Waite range reduction x = n ln2 + r and Cephes'
+// degree-6 polynomial for e^r, within 2 ulp of expf; x below -87 (e^x under FLT_MIN, and -inf:
+// masked keys) gives 0.
+QSPEC_INLINE float softmax_exp(float x) {
+  const bool underflow = x < -87.f;
+  x = std::max(x, -87.f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  float poly = 1.9875691500e-4f;
+  poly = poly * r + 1.3981999507e-3f;
+  poly = poly * r + 8.3334519073e-3f;
+  poly = poly * r + 4.1665795894e-2f;
+  poly = poly * r + 1.6666665459e-1f;
+  poly = poly * r + 5.0000001201e-1f;
+  const float er = poly * r * r + r + 1.f;
+  const float two_n = std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+  return underflow ? 0.f : er * two_n;
+}
+
+// op over a block's kKeyBlock values, folded in halves (each fold vectorizes; a serial float
+// reduction would not).
+template <typename Op>
+QSPEC_INLINE float block_fold(const float* __restrict__ w, Op op) {
+  static_assert(kKeyBlock == 32);
+  float h16[16], h8[8], h4[4];
+  for (int l = 0; l < 16; ++l) h16[l] = op(w[l], w[l + 16]);
+  for (int l = 0; l < 8; ++l) h8[l] = op(h16[l], h16[l + 8]);
+  for (int l = 0; l < 4; ++l) h4[l] = op(h8[l], h8[l + 4]);
+  return op(op(h4[0], h4[2]), op(h4[1], h4[3]));
+}
+
+// acc[D] += sum_j w[j] * values[j * stride + d] over the block's n keys. The accumulator is held
+// kValueChunk dims at a time in registers across the keys (read and written once per block).
+constexpr int64_t kValueChunk = 64;
+QSPEC_INLINE void accumulate_values(const float* __restrict__ w, const float* __restrict__ values, int64_t stride,
+                                    int64_t n, int64_t D, float* __restrict__ acc) {
+  int64_t d0 = 0;
+  for (; d0 + kValueChunk <= D; d0 += kValueChunk) {
+    float a[kValueChunk];
+    for (int64_t l = 0; l < kValueChunk; ++l) a[l] = acc[d0 + l];
+    for (int64_t j = 0; j < n; ++j) {
+      const float wj = w[j];
+      if (wj == 0.f) continue;  // an unseen key (its value is never read) or one that underflowed
+      const float* v = values + j * stride + d0;
+      for (int64_t l = 0; l < kValueChunk; ++l) a[l] += wj * v[l];
+    }
+    for (int64_t l = 0; l < kValueChunk; ++l) acc[d0 + l] = a[l];
+  }
+  for (int64_t j = 0; j < n; ++j)
+    if (w[j] != 0.f)
+      for (int64_t d = d0; d < D; ++d) acc[d] += w[j] * values[j * stride + d];
 }
 
 // The online-softmax state of one query: running max m, running sum l, accumulator acc[D].
@@ -66,54 +110,55 @@ QSPEC_INLINE void attend_keys_impl(const AttentionParams<T>& p, int64_t b, int64
       for (int64_t d = 0; d < D; ++d) dst[d] *= p.scale;
     }
   }
-  constexpr bool direct = std::is_same_v<T, float>;  // fp32 caches are read in place
-  std::vector<float> key_rows(direct ? 0 : kKeyBlock * D), value_rows(direct ? 0 : kKeyBlock * D);
-  float scores[kKeyBlock];
+  // Each block's keys transposed to [D][kKeyBlock] fp32, shared by all the item's queries: a
+  // query's scores are then kKeyBlock-wide vector multiply-adds over d (no horizontal sums).
+  std::vector<float> keys_t(D * kKeyBlock), value_rows(std::is_same_v<T, float> ? 0 : kKeyBlock * D);
+  float scores[kKeyBlock], weights[kKeyBlock];
   const int64_t first_slot = b * p.max_length;
   for (int64_t block = begin; block < end; block += kKeyBlock) {
     const int64_t n = std::min(kKeyBlock, end - block);
     const T* k_src = p.k_cache + (first_slot + block) * row_stride + h * D;
     const T* v_src = p.v_cache + (first_slot + block) * row_stride + h * D;
-    const float* keys;
+    for (int64_t j = 0; j < kKeyBlock; ++j)
+      for (int64_t d = 0; d < D; ++d) keys_t[d * kKeyBlock + j] = j < n ? static_cast<float>(k_src[j * row_stride + d]) : 0.f;
     const float* values;
     int64_t stride;
-    if constexpr (direct) {
-      keys = k_src, values = v_src, stride = row_stride;
+    if constexpr (std::is_same_v<T, float>) {
+      values = v_src, stride = row_stride;  // fp32 values are read in place
     } else {
-      for (int64_t j = 0; j < n; ++j) {
-        load_float(k_src + j * row_stride, key_rows.data() + j * D, D);
-        load_float(v_src + j * row_stride, value_rows.data() + j * D, D);
-      }
-      keys = key_rows.data(), values = value_rows.data(), stride = D;
+      for (int64_t j = 0; j < n; ++j) load_float(v_src + j * row_stride, value_rows.data() + j * D, D);
+      values = value_rows.data(), stride = D;
     }
     for (int64_t t = 0; t < p.tokens; ++t) {
       const KeyRange range = ranges[t];
       if (range.hi <= block || range.lo >= block + n) continue;
+      bool seen[kKeyBlock];
+      for (int64_t j = 0; j < kKeyBlock; ++j) {
+        const int64_t key = block + j;
+        seen[j] = j < n && key >= range.lo && key < range.hi && key_seen(p, b, t, key);
+      }
       for (int64_t g = 0; g < G; ++g) {
         const float* qi = q.data() + (t * G + g) * D;
         float* row = state + (t * G + g) * width;
         float* acc = row + 2;
-        float block_max = kNegInf;
-        for (int64_t j = 0; j < n; ++j) {
-          const int64_t key = block + j;
-          const bool seen = key >= range.lo && key < range.hi && key_seen(p, b, t, key);
-          scores[j] = seen ? dot(qi, keys + j * stride, D) : kNegInf;
-          block_max = std::max(block_max, scores[j]);
+        std::fill_n(scores, kKeyBlock, 0.f);
+        for (int64_t d = 0; d < D; ++d) {
+          const float qd = qi[d];
+          const float* column = keys_t.data() + d * kKeyBlock;
+          for (int64_t j = 0; j < kKeyBlock; ++j) scores[j] += qd * column[j];
         }
+        for (int64_t j = 0; j < kKeyBlock; ++j) scores[j] = seen[j] ? scores[j] : kNegInf;
+        const float block_max = block_fold(scores, [](float a, float b) { return std::max(a, b); });
         if (block_max == kNegInf) continue;
         const float new_max = std::max(row[0], block_max);
-        const float correction = std::exp(row[0] - new_max);  // 0 while nothing was seen
+        const float correction = softmax_exp(row[0] - new_max);  // 0 while nothing was seen
         if (correction != 1.f) {
           row[1] *= correction;
           for (int64_t d = 0; d < D; ++d) acc[d] *= correction;
         }
-        for (int64_t j = 0; j < n; ++j) {
-          if (scores[j] == kNegInf) continue;
-          const float weight = std::exp(scores[j] - new_max);
-          row[1] += weight;
-          const float* v = values + j * stride;
-          for (int64_t d = 0; d < D; ++d) acc[d] += weight * v[d];
-        }
+        for (int64_t j = 0; j < kKeyBlock; ++j) weights[j] = softmax_exp(scores[j] - new_max);  // unseen: 0
+        row[1] += block_fold(weights, [](float a, float b) { return a + b; });
+        accumulate_values(weights, values, stride, n, D, acc);
         row[0] = new_max;
       }
     }
@@ -148,7 +193,7 @@ void merge_splits(const AttentionParams<T>& p, int64_t b, int64_t h, int64_t spl
     for (int64_t s = 0; s < splits; ++s) {
       const float* row = states + (s * queries + i) * width;
       if (row[0] == kNegInf) continue;
-      const float factor = std::exp(row[0] - top);
+      const float factor = softmax_exp(row[0] - top);
       total += row[1] * factor;
       for (int64_t d = 0; d < D; ++d) merged[d] += row[2 + d] * factor;
     }
