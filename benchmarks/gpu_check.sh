@@ -180,7 +180,8 @@ run_step() {  # name, time limit in seconds, command...
 
 pytest=("$py" -m pytest -q -p no:cacheprovider)
 # One small shape per CUDA kernel (rms_norm, fused_add_rms_norm, eagle3_input_norm,
-# qk_norm_rope, gather_aux_hidden, verify row_stats + emit, tree token + walk): racecheck and synccheck
+# qk_norm_rope, gather_aux_hidden, verify row_stats + emit, tree token + walk, cached_attention):
+# racecheck and synccheck
 # slow kernels down by orders of magnitude, memcheck's broad selection would not fit.
 kernel_tests=(
   "tests/test_norm_rope.py::test_rms_norm[cuda-False-shape1-dtype2]"
@@ -191,6 +192,7 @@ kernel_tests=(
   "tests/test_verify.py::test_greedy_matches_reference[cuda-5-3-1000-dtype2]"
   "tests/test_verify.py::test_sampling_matches_reference[cuda-dtype2-d2t]"
   "tests/test_verify_tree.py::test_sampling_matches_reference[cuda-24-3-5-dtype1]"
+  "tests/test_attention.py::test_draft_trees_match_the_reference[cuda-6-dtype1]"
 )
 sanitize=(compute-sanitizer --error-exitcode 1 --tool)
 
@@ -201,7 +203,7 @@ run_step build_info 60 "$py" -c "import json, qspec_ext; i = qspec_ext.build_inf
 # CPU-only tests are CI's job (every run); here the CUDA cases (device-parametrized ids hold "cuda").
 run_step tests 180 "${pytest[@]}" tests -k "cuda and not test_compiled"
 run_step sanitizer_memcheck 120 "${sanitize[@]}" memcheck \
-  "${pytest[@]}" tests -k "cuda and not out_of_range and not compile and not opcheck and not distribution"
+  "${pytest[@]}" tests -k "cuda and not out_of_range and not compile and not opcheck and not distribution and not long_contexts"
 for tool in racecheck synccheck initcheck; do
   if [[ "${steps[-1]}" == *"|unavailable|"* ]]; then  # the sanitizer cannot run here: say so once per tool
     echo "== sanitizer_$tool: sanitizer unavailable on this machine"
@@ -215,7 +217,8 @@ run_step cuda_graphs 40 "${pytest[@]}" tests/test_cuda_graphs.py
 run_step compiled_decode 150 "${pytest[@]}" tests/test_compiled.py -k "cuda and not sampling"
 # The kernel benchmarks (the others take other arguments: bench_decode below; bench_train,
 # bench_hf_targets and bench_vllm are CPU-side comparisons).
-for name in bench_norm_rope bench_aux_gather bench_verify; do
+# bench_attention: decode attention at context 1k / 8k / 32k (Qwen3-8B heads), bytes = the used K/V.
+for name in bench_norm_rope bench_aux_gather bench_verify bench_attention; do
   # torch.compile baselines would spend minutes compiling every shape: CPU runs report them.
   run_step "$name" 60 "$py" "benchmarks/$name.py" --check --min-time 0.1 --no-compile --json "$out/$name.json"
 done

@@ -240,6 +240,18 @@ MUTANTS = [
            "uniform_01(random_bits(seed, offset + depth, kSampleUse)), scratch);",
            "uniform_01(random_bits(seed, offset + node, kSampleUse)), scratch);",
            ("tests/test_verify_tree.py::test_sampling_matches_reference",)),
+    Mutant("attention_window_one_key_too_many", "csrc/include/qspec_ext/attention.h",
+           "int64_t lo = p.window > 0 ? position - p.window + 1 : 0;", "int64_t lo = p.window > 0 ? position - p.window : 0;",
+           ("tests/test_attention.py::test_a_sliding_window_matches_the_reference",)),
+    Mutant("attention_tree_sees_every_scratch_slot", "csrc/include/qspec_ext/attention.h",
+           "return s < 0 || p.tree_seen[(b * p.tokens + t) * p.scratch + s];", "return true;",
+           ("tests/test_attention.py::test_draft_trees_match_the_reference",)),
+    Mutant("attention_splits_merged_without_rescaling", "csrc/cpu/attention.cpp",
+           "total += row[1] * factor;", "total += row[1];",
+           ("tests/test_attention.py::test_long_contexts_split_over_keys_and_match_the_reference",)),
+    Mutant("attention_running_sum_not_rescaled", "csrc/cpu/attention.cpp",
+           "row[1] *= correction;", "row[1] *= 1.f;",
+           ("tests/test_attention.py::test_chains_match_the_reference",)),
 ]
 
 # Loaded into every pytest run (-p): records which qspec_ext (and _C) the tests really imported.

@@ -246,7 +246,10 @@ void cached_attention_cpu(const at::Tensor& query, const at::Tensor& k_cache, co
     const int64_t splits = std::max<int64_t>(1, std::min(wanted, (longest + kMinKeysPerSplit - 1) / kMinKeysPerSplit));
     const int64_t queries = s.tokens * (s.heads_q / s.heads_kv), width = s.head_dim + 2;
     std::vector<float> states(groups * splits * queries * width);
-    at::parallel_for(0, groups * splits, 1, [&](int64_t first, int64_t last) {
+    // Items per task: small calls (a short context) stay on one thread, where waking the others
+    // would cost more than the work.
+    const int64_t item_work = std::max<int64_t>(1, (longest + splits - 1) / splits * queries * s.head_dim);
+    at::parallel_for(0, groups * splits, grain_for(item_work), [&](int64_t first, int64_t last) {
       for (int64_t item = first; item < last; ++item) {
         const int64_t group = item / splits, split = item % splits, b = group / s.heads_kv, h = group % s.heads_kv;
         const KeyRange u = span[b];
@@ -255,7 +258,7 @@ void cached_attention_cpu(const at::Tensor& query, const at::Tensor& k_cache, co
         attend_keys(p, b, h, begin, end, states.data() + item * queries * width);
       }
     });
-    at::parallel_for(0, groups, 1, [&](int64_t first, int64_t last) {
+    at::parallel_for(0, groups, grain_for(splits * queries * s.head_dim), [&](int64_t first, int64_t last) {
       for (int64_t group = first; group < last; ++group)
         merge_splits(p, group / s.heads_kv, group % s.heads_kv, splits,
                      states.data() + group * splits * queries * width);
