@@ -211,3 +211,17 @@ def test_with_the_plugin_the_shipped_drafter_accepts_what_it_accepts_without(tmp
     ours = run_vllm(target, draft, tmp_path, PROMPTS, NEW_TOKENS, K)
     assert ours["tokens"] == stock["tokens"]
     assert ours["per_position"] == stock["per_position"] and ours["drafts"] == stock["drafts"]
+
+
+def test_the_real_pair_decodes_the_same_with_and_without_the_plugin(tmp_path):
+    """SmolLM2 (Llama architecture: the rope seam) with its shipped chain drafter, fp32, greedy."""
+    from qspec_ext.demo import demo_requests
+    from qspec_ext.shipped import drafter_dir, target_dir
+
+    _, prompts, _ = demo_requests("smollm2", 2)
+    target, draft = target_dir("smollm2"), drafter_dir("smollm2")
+    stock = run_vllm(target, draft, tmp_path, prompts, 24, K, plugin=False)
+    ours = run_vllm(target, draft, tmp_path, prompts, 24, K)
+    assert ours["tokens"] == stock["tokens"] and all(len(t) == 24 for t in ours["tokens"])
+    assert ours["per_position"] == stock["per_position"] and ours["drafts"] == stock["drafts"]
+    assert ours["calls"]["rope"] > 0 and ours["calls"]["rms_norm"] > 0, ours["calls"]
