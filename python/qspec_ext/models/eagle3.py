@@ -26,7 +26,7 @@ from .. import ops, reference
 from ..arguments import check_load
 from ..rope import rope_config, rope_cos_sin_cache, rope_parameters
 from .checkpoint import CheckpointError, check_tensors, load_tensors, read_config, resolve_checkpoint, save_tensors
-from .layers import MLP, Attention, RMSNormWeight, TreeAttention, mark_static
+from .layers import MLP, Attention, RMSNormWeight, TreeAttention, static_caches
 
 logger = logging.getLogger(__name__)
 
@@ -312,8 +312,7 @@ class Eagle3Drafter(nn.Module):
         p = self.fc.weight
         self.max_length, self.batch_size = max_length, batch_size
         shape = (batch_size * max_length, c.num_key_value_heads, c.head_dim)
-        self.caches = [(p.new_zeros(shape), p.new_zeros(shape)) for _ in self.layers]
-        mark_static(self.caches)
+        self.caches = static_caches(getattr(self, "caches", None), len(self.layers), shape, p)
         self.cos_sin = rope_cos_sin_cache(max_length, c.head_dim, c.rope_theta, torch.float32, p.device, c.rope_scaling)
         self.state = None
 

@@ -13,6 +13,19 @@ def mark_static(caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
             torch._dynamo.mark_static_address(cache)
 
 
+def static_caches(existing: list[tuple[torch.Tensor, torch.Tensor]] | None, layers: int, shape: tuple[int, ...],
+                  like: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer (K, V) caches of ``shape`` in ``like``'s dtype and device: the existing ones when
+    they fit (the next generate call reuses them; their stale entries are never read: attention
+    reads only the slots each query sees, written before), else new zeroed ones."""
+    if existing and len(existing) == layers and all(
+            c.shape == shape and c.dtype == like.dtype and c.device == like.device for pair in existing for c in pair):
+        return existing
+    caches = [(like.new_zeros(shape), like.new_zeros(shape)) for _ in range(layers)]
+    mark_static(caches)
+    return caches
+
+
 class RMSNormWeight(nn.Module):
     """Holds an RMSNorm weight (the ops apply it)."""
 

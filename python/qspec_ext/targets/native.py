@@ -14,7 +14,7 @@ from ..arguments import check_aux_layer_ids, check_load
 from ..aux import AuxHiddenCapture, default_aux_layer_ids
 from ..rope import rope_config, rope_cos_sin_cache
 from ..models.checkpoint import CheckpointError, check_tensors, load_tensors, read_config, resolve_checkpoint
-from ..models.layers import MLP, Attention, RMSNormWeight, TreeAttention, keep_path, mark_static
+from ..models.layers import MLP, Attention, RMSNormWeight, TreeAttention, keep_path, static_caches
 from .base import Capabilities
 
 # model_type -> (per-head q/k norm, the RoPE theta a config without one means)
@@ -157,8 +157,7 @@ class NativeTarget(nn.Module):
         c, w = self.config, self.lm_head.weight
         self.batch_size, self.max_length = batch_size, max_length
         shape = (batch_size * max_length, c.num_key_value_heads, c.head_dim)
-        self.caches = [(w.new_zeros(shape), w.new_zeros(shape)) for _ in self.model.layers]
-        mark_static(self.caches)
+        self.caches = static_caches(getattr(self, "caches", None), len(self.model.layers), shape, w)
         self.cos_sin = rope_cos_sin_cache(max_length, c.head_dim, c.rope_theta, torch.float32, w.device, c.rope_scaling)
 
     @torch.no_grad()
