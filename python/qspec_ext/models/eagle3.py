@@ -27,6 +27,7 @@ from ..arguments import check_load
 from ..rope import rope_config, rope_cos_sin_cache, rope_parameters
 from .checkpoint import CheckpointError, check_tensors, load_tensors, read_config, resolve_checkpoint, save_tensors
 from .layers import MLP, Attention, RMSNormWeight, TreeAttention, static_caches
+from .linear import Linear, pack_linears
 
 logger = logging.getLogger(__name__)
 
@@ -276,14 +277,14 @@ class Eagle3Drafter(nn.Module):
         c = self.config = config
         self.ops = ops if use_custom_ops else reference
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.fc = nn.Linear(c.num_aux * c.hidden_size, c.hidden_size, bias=False)
+        self.fc = Linear(c.num_aux * c.hidden_size, c.hidden_size, bias=False)
         if c.fc_norm:
             self.fc_norm = nn.ModuleList(RMSNormWeight(c.hidden_size) for _ in range(c.num_aux))
         if c.norm_before_fc:
             self.input_norm = RMSNormWeight(c.num_aux * c.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(c, first=i == 0) for i in range(c.num_hidden_layers))
         self.norm = RMSNormWeight(c.hidden_size)
-        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        self.lm_head = Linear(c.hidden_size, c.draft_vocab_size, bias=False)
         if c.parallel_drafting:  # the raw fc input of every mask slot (normalized like aux features)
             self.mask_hidden = nn.Parameter(torch.zeros(1, 1, c.num_aux * c.hidden_size))
         if c.draft_vocab_size < c.vocab_size:
@@ -307,12 +308,14 @@ class Eagle3Drafter(nn.Module):
         return self.fc.weight.dtype
 
     def setup(self, batch_size: int, max_length: int) -> None:
-        """Preallocates the per-request KV cache ``[B * max_length, Hkv, D]`` per layer."""
+        """Preallocates the per-request KV cache ``[B * max_length, Hkv, D]`` per layer and packs the
+        projections for CPU inference (:func:`~qspec_ext.models.linear.pack_linears`)."""
         c = self.config
         p = self.fc.weight
         self.max_length, self.batch_size = max_length, batch_size
         shape = (batch_size * max_length, c.num_key_value_heads, c.head_dim)
         self.caches = static_caches(getattr(self, "caches", None), len(self.layers), shape, p)
+        pack_linears(self)
         self.cos_sin = rope_cos_sin_cache(max_length, c.head_dim, c.rope_theta, torch.float32, p.device, c.rope_scaling)
         self.state = None
 

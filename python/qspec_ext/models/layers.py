@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .linear import Linear
+
 
 def mark_static(caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """KV caches keep their addresses for the whole generate call: CUDA graphs may capture them."""
@@ -60,9 +62,9 @@ class Attention(nn.Module):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         parts = dict(q_proj=heads * head_dim, k_proj=kv_heads * head_dim, v_proj=kv_heads * head_dim)
-        self.qkv_proj = nn.Linear(input_width, sum(parts.values()), bias=False)
+        self.qkv_proj = Linear(input_width, sum(parts.values()), bias=False)
         named_parts_in_checkpoints(self, "qkv_proj", parts)
-        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.o_proj = Linear(heads * head_dim, hidden, bias=False)
         if qk_norm:
             self.q_norm = RMSNormWeight(head_dim)
             self.k_norm = RMSNormWeight(head_dim)
@@ -96,9 +98,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
         named_parts_in_checkpoints(self, "gate_up_proj", dict(gate_proj=intermediate, up_proj=intermediate))
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

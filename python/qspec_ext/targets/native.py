@@ -15,6 +15,7 @@ from ..aux import AuxHiddenCapture, default_aux_layer_ids
 from ..rope import rope_config, rope_cos_sin_cache
 from ..models.checkpoint import CheckpointError, check_tensors, load_tensors, read_config, resolve_checkpoint
 from ..models.layers import MLP, Attention, RMSNormWeight, TreeAttention, keep_path, static_caches
+from ..models.linear import Linear, pack_linears
 from .base import Capabilities
 
 # model_type -> (per-head q/k norm, the RoPE theta a config without one means)
@@ -103,7 +104,7 @@ class NativeTarget(nn.Module):
         self.config = config
         self.ops = ops if use_custom_ops else reference
         self.model = NativeModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         if aux_layer_ids is not None:
@@ -153,11 +154,13 @@ class NativeTarget(nn.Module):
         return model.eval()
 
     def setup(self, batch_size: int, max_length: int) -> None:
-        """Preallocates the per-request KV cache ``[B * max_length, Hkv, D]`` per layer."""
+        """Preallocates the per-request KV cache ``[B * max_length, Hkv, D]`` per layer and packs the
+        projections for CPU inference (:func:`~qspec_ext.models.linear.pack_linears`)."""
         c, w = self.config, self.lm_head.weight
         self.batch_size, self.max_length = batch_size, max_length
         shape = (batch_size * max_length, c.num_key_value_heads, c.head_dim)
         self.caches = static_caches(getattr(self, "caches", None), len(self.model.layers), shape, w)
+        pack_linears(self)
         self.cos_sin = rope_cos_sin_cache(max_length, c.head_dim, c.rope_theta, torch.float32, w.device, c.rope_scaling)
 
     @torch.no_grad()
