@@ -33,7 +33,7 @@ DECODE, EAGLE3, TRAIN = f"{PKG}/decode.py", f"{PKG}/models/eagle3.py", f"{PKG}/t
 CHAIN, TREE, LAYERS = f"{PKG}/drafting/chain.py", f"{PKG}/drafting/tree.py", f"{PKG}/models/layers.py"
 SAMPLING, ARGS, OPS, ROPE, HF = (f"{PKG}/sampling.py", f"{PKG}/arguments.py", f"{PKG}/ops.py", f"{PKG}/rope.py",
                                  f"{PKG}/targets/hf.py")
-CLI = f"{PKG}/cli.py"
+CLI, LINEAR = f"{PKG}/cli.py", f"{PKG}/models/linear.py"
 CPP_SOURCES = ("csrc", "CMakeLists.txt", "setup.py", "pyproject.toml", "README.md")
 
 DEC, DRAFTER, TR = "tests/test_decode.py::", "tests/test_eagle3_drafter.py::", "tests/test_train.py::"
@@ -101,10 +101,10 @@ MUTANTS = [
            (TREES + "test_greedy_tree_decoding_is_lossless[1-4-2-2]",)),
     Mutant("tree_positions_one_too_deep", TREE,
            "depths = ancestors.sum(-1) - 1", "depths = ancestors.sum(-1)", (TREE_LOSSLESS,)),
-    Mutant("packed_weight_used_after_the_weight_changed", f"{PKG}/models/linear.py",
+    Mutant("packed_weight_used_after_the_weight_changed", LINEAR,
            "or self.packed_from == weight_key(self.weight))", "or True)",
            ("tests/test_linear.py::test_a_weight_changed_after_packing_is_used_not_the_stale_copy",)),
-    Mutant("packed_linear_used_under_autograd", f"{PKG}/models/linear.py",
+    Mutant("packed_linear_used_under_autograd", LINEAR,
            "and not torch.is_grad_enabled() and", "and",
            ("tests/test_linear.py::test_packed_path_runs_only_under_no_grad_and_takes_strided_rows",)),
     Mutant("tree_attention_sees_every_node", LAYERS,

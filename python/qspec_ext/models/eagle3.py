@@ -314,7 +314,7 @@ class Eagle3Drafter(nn.Module):
         p = self.fc.weight
         self.max_length, self.batch_size = max_length, batch_size
         shape = (batch_size * max_length, c.num_key_value_heads, c.head_dim)
-        self.caches = static_caches(getattr(self, "caches", None), len(self.layers), shape, p)
+        self.caches = static_caches(self.caches, len(self.layers), shape, p)
         pack_linears(self)
         self.cos_sin = rope_cos_sin_cache(max_length, c.head_dim, c.rope_theta, torch.float32, p.device, c.rope_scaling)
         self.state = None

@@ -15,7 +15,7 @@ def mark_static(caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
             torch._dynamo.mark_static_address(cache)
 
 
-def static_caches(existing: list[tuple[torch.Tensor, torch.Tensor]] | None, layers: int, shape: tuple[int, ...],
+def static_caches(existing: list[tuple[torch.Tensor, torch.Tensor]], layers: int, shape: tuple[int, ...],
                   like: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per-layer (K, V) caches of ``shape`` in ``like``'s dtype and device: the existing ones when
     they fit (the next generate call reuses them; their stale entries are never read: attention

@@ -159,7 +159,7 @@ class NativeTarget(nn.Module):
         c, w = self.config, self.lm_head.weight
         self.batch_size, self.max_length = batch_size, max_length
         shape = (batch_size * max_length, c.num_key_value_heads, c.head_dim)
-        self.caches = static_caches(getattr(self, "caches", None), len(self.model.layers), shape, w)
+        self.caches = static_caches(self.caches, len(self.model.layers), shape, w)
         pack_linears(self)
         self.cos_sin = rope_cos_sin_cache(max_length, c.head_dim, c.rope_theta, torch.float32, w.device, c.rope_scaling)
 
