@@ -1,7 +1,8 @@
-// CPU kernel of cached decode attention. Work items are (request, KV head, key split): an item
-// reads its slice of the request's used key slots once, in blocks of kKeyBlock keys, for all the
-// queries that share the KV head (the T tokens x the GQA group), with an online softmax in fp32.
-// A second pass merges the splits' partial (max, sum, accumulator) states into the output.
+// CPU kernel of cached decode attention. Work items are (request, key split): an item reads its
+// slice of the request's used key slots once, in blocks of kKeyBlock slots (each slot whole: all
+// KV heads, one contiguous row, so the hardware streams it), for all the request's queries (the
+// T tokens x the query heads), with an online softmax in fp32. A second pass merges the splits'
+// partial (max, sum, accumulator) states into the output.
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -59,6 +60,20 @@ QSPEC_INLINE float block_fold(const float* __restrict__ w, Op op) {
   return op(op(h4[0], h4[2]), op(h4[1], h4[3]));
 }
 
+// a . b over n, in 16 independent partial sums folded in halves (vectorizes without
+// reassociating one serial sum).
+QSPEC_INLINE float dot(const float* __restrict__ a, const float* __restrict__ b, int64_t n) {
+  float part[16] = {}, h8[8], h4[4];
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int l = 0; l < 16; ++l) part[l] += a[i + l] * b[i + l];
+  for (int l = 0; l < 8; ++l) h8[l] = part[l] + part[l + 8];
+  for (int l = 0; l < 4; ++l) h4[l] = h8[l] + h8[l + 4];
+  float total = (h4[0] + h4[2]) + (h4[1] + h4[3]);
+  for (; i < n; ++i) total += a[i] * b[i];
+  return total;
+}
+
 // acc[D] += sum_j w[j] * values[j * stride + d] over the block's n keys. The accumulator is held
 // kValueChunk dims at a time in registers across the keys (read and written once per block).
 constexpr int64_t kValueChunk = 64;
@@ -91,107 +106,109 @@ QSPEC_INLINE void reset_states(float* state, int64_t count, int64_t width) {
   }
 }
 
-// Keys [begin, end) of request b for KV head h, for the queries of its T tokens x G heads.
+// Keys [begin, end) of request b, every KV head, for all the request's queries. State row
+// (h * T + t) * G + g belongs to query head h * G + g of token t.
 template <typename T>
-QSPEC_INLINE void attend_keys_impl(const AttentionParams<T>& p, int64_t b, int64_t h, int64_t begin, int64_t end,
-                                   float* state) {
+QSPEC_INLINE void attend_keys_impl(const AttentionParams<T>& p, int64_t b, int64_t begin, int64_t end, float* state) {
   const int64_t D = p.head_dim, G = p.heads_q / p.heads_kv, width = D + 2;
-  const int64_t row_stride = p.heads_kv * D;  // between consecutive slots of one head
-  reset_states(state, p.tokens * G, width);
+  const int64_t slot_stride = p.heads_kv * D;  // one slot: all KV heads
+  reset_states(state, p.heads_q * p.tokens, width);
   if (begin >= end) return;
   std::vector<KeyRange> ranges(p.tokens);
-  std::vector<float> q(p.tokens * G * D);
+  std::vector<float> q(p.heads_q * p.tokens * D);  // scaled, in state-row order
   for (int64_t t = 0; t < p.tokens; ++t) {
     ranges[t] = key_range(p, b, t);
-    for (int64_t g = 0; g < G; ++g) {
-      const T* src = p.query + b * p.q_stride_b + t * p.q_stride_t + (h * G + g) * p.q_stride_h;
-      float* dst = q.data() + (t * G + g) * D;
+    for (int64_t head = 0; head < p.heads_q; ++head) {
+      const T* src = p.query + b * p.q_stride_b + t * p.q_stride_t + head * p.q_stride_h;
+      float* dst = q.data() + ((head / G * p.tokens + t) * G + head % G) * D;
       load_float(src, dst, D);
       for (int64_t d = 0; d < D; ++d) dst[d] *= p.scale;
     }
   }
-  // Each block's keys transposed to [D][kKeyBlock] fp32, shared by all the item's queries: a
-  // query's scores are then kKeyBlock-wide vector multiply-adds over d (no horizontal sums).
-  std::vector<float> keys_t(D * kKeyBlock), value_rows(std::is_same_v<T, float> ? 0 : kKeyBlock * D);
+  constexpr bool kFloat = std::is_same_v<T, float>;
+  // fp32 caches are read in place; others are converted a block (K then V) at a time.
+  std::vector<float> converted(kFloat ? 0 : 2 * kKeyBlock * slot_stride);
+  std::vector<char> active(p.tokens), seen(p.tokens * kKeyBlock);
   float scores[kKeyBlock], weights[kKeyBlock];
   const int64_t first_slot = b * p.max_length;
   for (int64_t block = begin; block < end; block += kKeyBlock) {
     const int64_t n = std::min(kKeyBlock, end - block);
-    const T* k_src = p.k_cache + (first_slot + block) * row_stride + h * D;
-    const T* v_src = p.v_cache + (first_slot + block) * row_stride + h * D;
-    for (int64_t j = 0; j < kKeyBlock; ++j)
-      for (int64_t d = 0; d < D; ++d) keys_t[d * kKeyBlock + j] = j < n ? static_cast<float>(k_src[j * row_stride + d]) : 0.f;
-    const float* values;
-    int64_t stride;
-    if constexpr (std::is_same_v<T, float>) {
-      values = v_src, stride = row_stride;  // fp32 values are read in place
+    const T* k_src = p.k_cache + (first_slot + block) * slot_stride;
+    const T* v_src = p.v_cache + (first_slot + block) * slot_stride;
+    const float *keys, *values;
+    if constexpr (kFloat) {
+      keys = k_src, values = v_src;
     } else {
-      for (int64_t j = 0; j < n; ++j) load_float(v_src + j * row_stride, value_rows.data() + j * D, D);
-      values = value_rows.data(), stride = D;
+      load_float(k_src, converted.data(), n * slot_stride);
+      load_float(v_src, converted.data() + kKeyBlock * slot_stride, n * slot_stride);
+      keys = converted.data(), values = converted.data() + kKeyBlock * slot_stride;
     }
     for (int64_t t = 0; t < p.tokens; ++t) {
       const KeyRange range = ranges[t];
-      if (range.hi <= block || range.lo >= block + n) continue;
-      bool seen[kKeyBlock];
-      for (int64_t j = 0; j < kKeyBlock; ++j) {
+      active[t] = range.hi > block && range.lo < block + n;
+      for (int64_t j = 0; j < kKeyBlock && active[t]; ++j) {
         const int64_t key = block + j;
-        seen[j] = j < n && key >= range.lo && key < range.hi && key_seen(p, b, t, key);
+        seen[t * kKeyBlock + j] = j < n && key >= range.lo && key < range.hi && key_seen(p, b, t, key);
       }
-      for (int64_t g = 0; g < G; ++g) {
-        const float* qi = q.data() + (t * G + g) * D;
-        float* row = state + (t * G + g) * width;
-        float* acc = row + 2;
-        std::fill_n(scores, kKeyBlock, 0.f);
-        for (int64_t d = 0; d < D; ++d) {
-          const float qd = qi[d];
-          const float* column = keys_t.data() + d * kKeyBlock;
-          for (int64_t j = 0; j < kKeyBlock; ++j) scores[j] += qd * column[j];
+    }
+    for (int64_t h = 0; h < p.heads_kv; ++h) {
+      for (int64_t t = 0; t < p.tokens; ++t) {
+        if (!active[t]) continue;
+        const char* sees = seen.data() + t * kKeyBlock;
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t i = (h * p.tokens + t) * G + g;
+          const float* qi = q.data() + i * D;
+          float* row = state + i * width;
+          float* acc = row + 2;
+          for (int64_t j = 0; j < kKeyBlock; ++j)  // an unseen key is never read
+            scores[j] = sees[j] ? dot(qi, keys + j * slot_stride + h * D, D) : kNegInf;
+          const float block_max = block_fold(scores, [](float a, float b) { return std::max(a, b); });
+          if (block_max == kNegInf) continue;
+          const float new_max = std::max(row[0], block_max);
+          const float correction = softmax_exp(row[0] - new_max);  // 0 while nothing was seen
+          if (correction != 1.f) {
+            row[1] *= correction;
+            for (int64_t d = 0; d < D; ++d) acc[d] *= correction;
+          }
+          for (int64_t j = 0; j < kKeyBlock; ++j) weights[j] = softmax_exp(scores[j] - new_max);  // unseen: 0
+          row[1] += block_fold(weights, [](float a, float b) { return a + b; });
+          accumulate_values(weights, values + h * D, slot_stride, n, D, acc);
+          row[0] = new_max;
         }
-        for (int64_t j = 0; j < kKeyBlock; ++j) scores[j] = seen[j] ? scores[j] : kNegInf;
-        const float block_max = block_fold(scores, [](float a, float b) { return std::max(a, b); });
-        if (block_max == kNegInf) continue;
-        const float new_max = std::max(row[0], block_max);
-        const float correction = softmax_exp(row[0] - new_max);  // 0 while nothing was seen
-        if (correction != 1.f) {
-          row[1] *= correction;
-          for (int64_t d = 0; d < D; ++d) acc[d] *= correction;
-        }
-        for (int64_t j = 0; j < kKeyBlock; ++j) weights[j] = softmax_exp(scores[j] - new_max);  // unseen: 0
-        row[1] += block_fold(weights, [](float a, float b) { return a + b; });
-        accumulate_values(weights, values, stride, n, D, acc);
-        row[0] = new_max;
       }
     }
   }
 }
 
-QSPEC_CPU_CLONES void attend_keys(const AttentionParams<float>& p, int64_t b, int64_t h, int64_t begin, int64_t end,
+QSPEC_CPU_CLONES void attend_keys(const AttentionParams<float>& p, int64_t b, int64_t begin, int64_t end,
                                   float* state) {
-  attend_keys_impl(p, b, h, begin, end, state);
+  attend_keys_impl(p, b, begin, end, state);
 }
-QSPEC_CPU_CLONES void attend_keys(const AttentionParams<c10::Half>& p, int64_t b, int64_t h, int64_t begin,
-                                  int64_t end, float* state) {
-  attend_keys_impl(p, b, h, begin, end, state);
+QSPEC_CPU_CLONES void attend_keys(const AttentionParams<c10::Half>& p, int64_t b, int64_t begin, int64_t end,
+                                  float* state) {
+  attend_keys_impl(p, b, begin, end, state);
 }
-QSPEC_CPU_CLONES void attend_keys(const AttentionParams<c10::BFloat16>& p, int64_t b, int64_t h, int64_t begin,
-                                  int64_t end, float* state) {
-  attend_keys_impl(p, b, h, begin, end, state);
+QSPEC_CPU_CLONES void attend_keys(const AttentionParams<c10::BFloat16>& p, int64_t b, int64_t begin, int64_t end,
+                                  float* state) {
+  attend_keys_impl(p, b, begin, end, state);
 }
 
-// out = the softmax-weighted values, merged over the splits' states of each query.
+// out = the softmax-weighted values of KV head h's queries, merged over the splits' states (split
+// s's rows start at states + s * split_stride).
 template <typename T>
-void merge_splits(const AttentionParams<T>& p, int64_t b, int64_t h, int64_t splits, const float* states) {
+void merge_splits(const AttentionParams<T>& p, int64_t b, int64_t h, int64_t splits, const float* states,
+                  int64_t split_stride) {
   const int64_t D = p.head_dim, G = p.heads_q / p.heads_kv, queries = p.tokens * G, width = D + 2;
   std::vector<float> merged(D);
   for (int64_t i = 0; i < queries; ++i) {
     const int64_t t = i / G, g = i % G;
     float top = kNegInf;
-    for (int64_t s = 0; s < splits; ++s) top = std::max(top, states[(s * queries + i) * width]);
+    for (int64_t s = 0; s < splits; ++s) top = std::max(top, states[s * split_stride + i * width]);
     if (top == kNegInf) continue;  // sees no key: the output keeps its zeros
     float total = 0.f;
     std::fill(merged.begin(), merged.end(), 0.f);
     for (int64_t s = 0; s < splits; ++s) {
-      const float* row = states + (s * queries + i) * width;
+      const float* row = states + s * split_stride + i * width;
       if (row[0] == kNegInf) continue;
       const float factor = softmax_exp(row[0] - top);
       total += row[1] * factor;
@@ -240,28 +257,29 @@ void cached_attention_cpu(const at::Tensor& query, const at::Tensor& k_cache, co
       span[b] = u;
       longest = std::max(longest, u.hi - u.lo);
     }
-    // Enough items to keep every thread busy when batch * heads_kv is small (flash-decoding).
-    const int64_t groups = s.batch * s.heads_kv;
-    const int64_t wanted = (2 * at::get_num_threads() + groups - 1) / groups;
+    // Enough items to keep every thread busy when the batch is small (flash-decoding).
+    const int64_t wanted = (2 * at::get_num_threads() + s.batch - 1) / s.batch;
     const int64_t splits = std::max<int64_t>(1, std::min(wanted, (longest + kMinKeysPerSplit - 1) / kMinKeysPerSplit));
     const int64_t queries = s.tokens * (s.heads_q / s.heads_kv), width = s.head_dim + 2;
-    std::vector<float> states(groups * splits * queries * width);
+    const int64_t item_states = s.heads_kv * queries * width;
+    std::vector<float> states(s.batch * splits * item_states);
     // Items per task: small calls (a short context) stay on one thread, where waking the others
     // would cost more than the work.
-    const int64_t item_work = std::max<int64_t>(1, (longest + splits - 1) / splits * queries * s.head_dim);
-    at::parallel_for(0, groups * splits, grain_for(item_work), [&](int64_t first, int64_t last) {
+    const int64_t item_work = std::max<int64_t>(1, (longest + splits - 1) / splits * s.heads_q * s.tokens * s.head_dim);
+    at::parallel_for(0, s.batch * splits, grain_for(item_work), [&](int64_t first, int64_t last) {
       for (int64_t item = first; item < last; ++item) {
-        const int64_t group = item / splits, split = item % splits, b = group / s.heads_kv, h = group % s.heads_kv;
+        const int64_t b = item / splits, split = item % splits;
         const KeyRange u = span[b];
         const int64_t chunk = std::max<int64_t>(0, (u.hi - u.lo + splits - 1) / splits);
         const int64_t begin = u.lo + split * chunk, end = std::min(u.hi, begin + chunk);
-        attend_keys(p, b, h, begin, end, states.data() + item * queries * width);
+        attend_keys(p, b, begin, end, states.data() + item * item_states);
       }
     });
-    at::parallel_for(0, groups, grain_for(splits * queries * s.head_dim), [&](int64_t first, int64_t last) {
-      for (int64_t group = first; group < last; ++group)
-        merge_splits(p, group / s.heads_kv, group % s.heads_kv, splits,
-                     states.data() + group * splits * queries * width);
+    at::parallel_for(0, s.batch * s.heads_kv, grain_for(splits * queries * s.head_dim), [&](int64_t first, int64_t last) {
+      for (int64_t group = first; group < last; ++group) {
+        const int64_t b = group / s.heads_kv, h = group % s.heads_kv;
+        merge_splits(p, b, h, splits, states.data() + b * splits * item_states + h * queries * width, item_states);
+      }
     });
   });
 }
