@@ -3,7 +3,8 @@
 
     python benchmarks/bench_smollm2.py acceptance [-k 1 3 5 7] [--per-category 21] [--max-new-tokens 128]
     python benchmarks/bench_smollm2.py speed [--batch 1 4] [--prompts 8] [--rounds 3] [-k 3 5]
-    (both: [--drafting chain parallel] [--json PATH])
+    python benchmarks/bench_smollm2.py memory [--dtypes fp32 bf16] [--batch 1 4] [--prompts 8] [-k 3]
+    (all: [--drafting chain parallel] [--json PATH])
 
 acceptance: mean acceptance length (tokens per target forward) and acceptance per draft position
 by category and k, greedy and sampled at the seed card's settings (temperature 0.6, top-p 0.95,
@@ -14,11 +15,22 @@ speed: tokens/s of plain decoding (fp32 and bf16, eager and compiled) and specul
 one process, the configurations interleaved round by round (A B C ... A B C ...): medians with the
 spread; each speed-up is the median of its rounds' ratios, against plain decoding in the same dtype
 and mode and against the fastest plain configuration of that round.
+
+memory: for each dtype, a fresh process loads the pair and decodes the chat prompts (speculative,
+the first --drafting and k, then plain), three times over: its peak resident memory above what it
+held before loading (with the tokenizer and prompts loaded, after the tiny pair decoded once in
+that dtype and was freed: the runtime's own memory), against the bytes of the weights (target and drafter, in that dtype, tied and
+borrowed tensors once) plus the KV caches; and the growth of resident memory from the first pass
+to the third (a leak grows with every step).
 """
 
 import argparse
+import gc
 import json
+import os
+import resource
 import statistics
+import subprocess
 import sys
 import time
 
@@ -26,6 +38,7 @@ import torch
 
 from qspec_ext import SpeculativeDecoder, generate_plain, load_pair
 from qspec_ext.decode import in_batches
+from qspec_ext.models.checkpoint import trim_heap
 from qspec_ext.prompts import CATEGORIES, heldout_prompts
 from qspec_ext.shipped import drafter_dir, target_dir
 from qspec_ext.text import chat_ids, stop_ids
@@ -122,9 +135,83 @@ def speed(args) -> list[dict]:
     return rows
 
 
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_child(dtype: str, args) -> dict:
+    # The runtime's own memory (the tokenizer and prompts, code pages of the kernels used,
+    # allocator pools) is the baseline: the tiny pair decodes once in this dtype first, and is freed.
+    stops = stop_ids(target_dir("smollm2"))
+    prompts = requests("chat", args.prompts)
+    tiny_target, tiny_drafter = load_pair("tiny", drafter_dir("tiny"), dtype=dtype)
+    SpeculativeDecoder(tiny_target, tiny_drafter, args.k[0]).generate([[1, 2, 3]], 8)
+    generate_plain(tiny_target, [[1, 2, 3]], 8)
+    del tiny_target, tiny_drafter
+    gc.collect()
+    trim_heap()
+    baseline = resident_bytes()
+    target, drafter = load_pair("smollm2", drafter_dir("smollm2", parallel=args.drafting[0] == "parallel"), dtype=dtype)
+    decoder = SpeculativeDecoder(target, drafter, args.k[0])
+    passes, steps = [], 0
+    for _ in range(3):
+        for batch in args.batch:
+            speculative = in_batches(lambda p: decoder.generate(p, args.max_new_tokens, eos_token_id=stops), prompts,
+                                     batch)
+            plain = in_batches(lambda p: generate_plain(target, p, args.max_new_tokens, eos_token_id=stops), prompts,
+                               batch)
+            steps += speculative.stats.num_drafts + plain.stats.num_generated_tokens  # decode steps (about)
+        passes.append(resident_bytes() - baseline)
+    parameters = {id(p): p for m in (target, drafter) for p in m.parameters()}  # tied / borrowed: once
+    weights = sum(p.numel() * p.element_size() for p in parameters.values())
+    caches = sum(t.numel() * t.element_size() for m in (target, drafter) for pair in m.caches for t in pair)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline
+    return dict(dtype=dtype, weights=weights, caches=caches, peak=peak, after_first_pass=passes[0],
+                after_third_pass=passes[2], steps_after_first_pass=steps * 2 // 3, baseline=baseline)
+
+
+def memory(args) -> list[dict]:
+    rows = []
+    mb = 1 << 20
+    print(f"SmolLM2-135M-Instruct + {args.drafting[0]} drafter k={args.k[0]}, {args.prompts} chat prompts x "
+          f"{args.max_new_tokens} tokens at batch {' and '.join(map(str, args.batch))}, 3 passes, one process per dtype")
+    for dtype in args.dtypes:
+        command = [sys.executable, __file__, "memory", "--child", dtype, "--drafting", args.drafting[0], "-k",
+                   str(args.k[0]), "--prompts", str(args.prompts), "--max-new-tokens", str(args.max_new_tokens),
+                   "--batch", *map(str, args.batch)]
+        proc = subprocess.run(command, capture_output=True, text=True)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
+            sys.exit(f"bench_smollm2 memory: the {dtype} child failed:\n{proc.stderr[-3000:]}")
+        row = json.loads(lines[-1][len("RESULT "):])
+        row["peak_over_weights_and_caches"] = row["peak"] / (row["weights"] + row["caches"])
+        rows.append(row)
+        print(f"  {dtype}: weights {row['weights'] / mb:.0f} MiB + caches {row['caches'] / mb:.0f} MiB; peak resident "
+              f"{row['peak'] / mb:.0f} MiB above the runtime's {row['baseline'] / mb:.0f} MiB = "
+              f"{row['peak_over_weights_and_caches']:.2f}x; resident after pass 1 / 3: {row['after_first_pass'] / mb:.0f}"
+              f" / {row['after_third_pass'] / mb:.0f} MiB over {row['steps_after_first_pass']} more decode steps")
+    return rows
+
+
 def main():
+    if sys.argv[1:3] == ["memory", "--child"]:
+        dtype = sys.argv.pop(3)
+        del sys.argv[2]
+        print("RESULT " + json.dumps(memory_child(dtype, parse_args())))
+        return
+    args = parse_args()
+    start = time.perf_counter()
+    rows = {"acceptance": acceptance, "speed": speed, "memory": memory}[args.what](args)
+    print(f"({time.perf_counter() - start:.0f} s)", file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["acceptance", "speed"])
+    parser.add_argument("what", choices=["acceptance", "speed", "memory"])
     parser.add_argument("-k", type=int, nargs="+", default=None)
     parser.add_argument("--drafting", nargs="+", choices=["chain", "parallel"], default=["chain"])
     parser.add_argument("--per-category", type=int, default=21)
@@ -132,15 +219,11 @@ def main():
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--dtypes", nargs="+", choices=["fp32", "bf16"], default=["fp32", "bf16"])
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
-    args.k = args.k or ([1, 3, 5, 7] if args.what == "acceptance" else [3, 5])
-    start = time.perf_counter()
-    rows = acceptance(args) if args.what == "acceptance" else speed(args)
-    print(f"({time.perf_counter() - start:.0f} s)", file=sys.stderr)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    args.k = args.k or ([1, 3, 5, 7] if args.what == "acceptance" else [3] if args.what == "memory" else [3, 5])
+    return args
 
 
 if __name__ == "__main__":

@@ -4,16 +4,18 @@ each batch size. Run it in the vLLM venv (scripts/make_vllm_venv.sh):
 
     .venv-vllm/bin/python benchmarks/bench_vllm.py [--pair tiny] [--cores 1 2] [--batch 1 4 8] [-k 3]
         [--rounds 3] [--prompts 8] [--max-new-tokens 96] [--kinds plain chain parallel]
-        [--engines qspec_ext vllm] [--json PATH]
+        [--engines qspec_ext vllm] [--mode eager] [--json PATH]
 
 Engines: qspec_ext (its own loop), vllm (stock: the qspec_ext plugin off), vllm+plugin (every
 seam of qspec_ext.integrations.vllm on), vllm+SEAM (that seam alone, e.g. vllm+rms_norm).
 Ratios are against the second engine listed (default: qspec_ext / vLLM).
 
 Each measurement is a child process pinned to the first N cores (qspec_ext: torch threads = N;
-vLLM: VLLM_CPU_OMP_THREADS_BIND=0-(N-1), no reserved core), in-process engine, eager; the
-children alternate (qspec_ext, vLLM, qspec_ext, ...) for --rounds rounds, and each figure is the
-median over the rounds with the spread; a speed ratio is the median of each round's ratio.
+vLLM: VLLM_CPU_OMP_THREADS_BIND=0-(N-1), no reserved core), in-process engine; --mode eager
+(vLLM's enforce_eager) or compiled (qspec_ext's compile=True; vLLM's default CPU compilation, whose
+start-up takes minutes per configuration, untimed like qspec_ext's compile warm-up); the children
+alternate (qspec_ext, vLLM, qspec_ext, ...) for --rounds rounds, and each figure is the median
+over the rounds with the spread; a speed ratio is the median of each round's ratio.
 Batch B: the prompts B at a time (qspec_ext's in_batches; vLLM with max_num_seqs = B).
 """
 
@@ -51,17 +53,18 @@ def child_qspec(job: dict) -> dict:
     torch.set_num_threads(job["cores"])
     prompts, out = job["prompts"], {}
     target, chain = load_pair(job["pair"], drafter_dir(job["pair"]), dtype=job["dtype"])
-    runners = {"plain": lambda **kw: generate_plain(target, **kw),
-               "chain": SpeculativeDecoder(target, chain, job["k"]).generate}
+    compiled = job["mode"] == "compiled"
+    runners = {"plain": lambda **kw: generate_plain(target, compile=compiled, **kw),
+               "chain": SpeculativeDecoder(target, chain, job["k"], compile=compiled).generate}
     if "parallel" in job["kinds"]:
         _, parallel = load_pair(job["pair"], drafter_dir(job["pair"], parallel=True), dtype=job["dtype"])
-        runners["parallel"] = SpeculativeDecoder(target, parallel, job["k"]).generate
+        runners["parallel"] = SpeculativeDecoder(target, parallel, job["k"], compile=compiled).generate
     for kind in job["kinds"]:
         for batch in job["batch"]:
             def run():
                 return in_batches(lambda p, **kw: runners[kind](prompts=p, **kw), prompts, batch,
                                   max_new_tokens=job["max_new_tokens"])
-            run()  # warm-up
+            run()  # warm-up (compiled: builds every graph the timed run uses)
             result = run()
             s = result.stats
             out[f"{kind}/{batch}"] = dict(tokens_per_second=s.tokens_per_second, tokens=result.tokens,
@@ -82,7 +85,8 @@ def child_vllm(job: dict) -> dict:
                                              "model": str(drafter_dir(job["pair"], parallel=kind == "parallel")),
                                              "parallel_drafting": kind == "parallel"}
         for batch in job["batch"]:
-            llm = LLM(model=str(target_dir(job["pair"])), skip_tokenizer_init=True, enforce_eager=True,
+            llm = LLM(model=str(target_dir(job["pair"])), skip_tokenizer_init=True,
+                      enforce_eager=job["mode"] == "eager",
                       dtype={"fp32": "float32", "bf16": "bfloat16"}[job["dtype"]], max_num_seqs=batch,
                       max_model_len=2048, disable_log_stats=False, seed=0, speculative_config=spec)
 
@@ -159,6 +163,7 @@ def main():
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     parser.add_argument("--engines", nargs="+", default=["qspec_ext", "vllm"])
+    parser.add_argument("--mode", default="eager", choices=["eager", "compiled"])
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
     if len(args.engines) < 2:
@@ -166,7 +171,7 @@ def main():
     for engine in args.engines:
         plugin_disabled(engine)  # an unknown name fails before any child runs
     base = dict(pair=args.pair, prompts=prompts_of(args.pair, args.prompts), k=args.k, batch=args.batch,
-                max_new_tokens=args.max_new_tokens, dtype=args.dtype, kinds=args.kinds)
+                max_new_tokens=args.max_new_tokens, dtype=args.dtype, kinds=args.kinds, mode=args.mode)
     runs = {}  # (engine, cores) -> [round results]
     for round_ in range(args.rounds):
         for cores in args.cores:
@@ -190,7 +195,7 @@ def main():
                                                 for a, b in zip(mine, theirs)),
                         same_tokens=mine[0]["tokens"] == theirs[0]["tokens"], acceptance=mine[0]["acceptance"])
                 rows.append(row)
-    print(f"pair {args.pair}, {args.prompts} prompts x {args.max_new_tokens} tokens, greedy, {args.dtype}, k = {args.k}; "
+    print(f"pair {args.pair}, {args.prompts} prompts x {args.max_new_tokens} tokens, greedy, {args.dtype}, {args.mode}, k = {args.k}; "
           f"medians over {args.rounds} alternating rounds (spread min-max); ratio: the median of each round's "
           f"engine / {reference}; same: greedy tokens equal {reference}'s")
     for r in rows:

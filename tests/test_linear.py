@@ -77,3 +77,57 @@ def test_the_op_compiles_into_a_static_graph():
         compiled = torch.compile(layer, fullgraph=True, dynamic=False)(x)
     assert compiled.shape == (2, 3, 48)
     torch.testing.assert_close(compiled, eager)
+
+
+def test_released_weights_live_only_in_the_packed_copy_and_come_back_exactly():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Linear(64, 48, bias=False), Linear(48, 16, bias=False))
+    dense = {k: v.clone() for k, v in model.state_dict().items()}
+    pack_linears(model, release=True)
+    assert all(m.released and m.weight.is_meta and m.weight.shape == dense[f"{i}.weight"].shape
+               for i, m in enumerate(model))
+    x = torch.randn(3, 64)
+    expected = F.linear(F.linear(x, dense["0.weight"]), dense["1.weight"])
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), expected, atol=1e-4, rtol=1e-4)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # a path that needs the dense weight
+            torch.testing.assert_close(model(x).float(), expected, atol=5e-2, rtol=5e-2)
+    saved = model.state_dict()
+    assert all(torch.equal(saved[k], v) for k, v in dense.items())
+    pack_linears(model, release=True)  # again: nothing to pack, the packed copies stay
+    assert all(m.released for m in model)
+    model.to(torch.bfloat16)  # .to() brings the dense weights back, then converts them
+    assert not any(m.released for m in model)
+    assert all(torch.equal(model.state_dict()[k], v.bfloat16()) for k, v in dense.items())
+
+
+def test_load_state_dict_into_a_released_model_and_tied_weights_stay_dense():
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict(dict(embed=torch.nn.Embedding(16, 8), head=Linear(8, 16, bias=False),
+                                     proj=Linear(8, 8, bias=False)))
+    model.head.weight = model.embed.weight  # tied
+    pack_linears(model, release=True)
+    assert not model.head.released and model.head.packed_weight is not None and model.proj.released
+    new = torch.randn(8, 8)
+    model.proj.load_state_dict({"weight": new})
+    assert not model.proj.released and torch.equal(model.proj.weight, new)
+    with torch.no_grad():
+        torch.testing.assert_close(model.proj(torch.eye(8)), new.T, atol=1e-5, rtol=1e-5)
+
+
+def test_the_native_target_keeps_one_copy_of_its_projections_after_setup():
+    from qspec_ext.targets import load_target
+
+    target = load_target("tiny")
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    tokens = torch.tensor([[5, 17, 42, 7]])
+    positions = torch.arange(4)[None]
+    target.setup(1, 16)
+    logits = target(tokens, positions)
+    linears = [m for m in target.modules() if isinstance(m, Linear)]
+    tied = target.lm_head.weight is target.model.embed_tokens.weight
+    assert all(m.released for m in linears if not (tied and m is target.lm_head))
+    after = target.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+    target.setup(1, 16)  # set up again: the same packed copies, the same logits
+    torch.testing.assert_close(target(tokens, positions), logits)

@@ -1,6 +1,8 @@
 """Reading and writing checkpoint directories: safetensors (memory-mapped, maybe sharded) or
 pytorch_model.bin, with errors that name the file and the key."""
 
+import ctypes
+import ctypes.util
 import json
 import os
 import re
@@ -63,8 +65,14 @@ def _weight_files(directory: Path) -> list[Path]:
     raise CheckpointError(f"{directory}: no model.safetensors, pytorch_model.bin or shard index found")
 
 
-def load_tensors(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
-    """All tensors of a checkpoint directory (safetensors memory-mapped) and the file of each key."""
+def load_tensors(directory: str | Path, dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
+    """All tensors of a checkpoint directory and the file of each key, as tensors of their own
+    (``dtype``: the floating ones converted). A safetensors file is opened per tensor, so that
+    only one tensor's pages of the file are mapped at a time: peak memory stays the weights
+    loaded plus one tensor, not the file plus the weights."""
+    def copy(value: torch.Tensor) -> torch.Tensor:
+        return value.to(dtype if dtype is not None and value.is_floating_point() else value.dtype, copy=True)
+
     directory = Path(directory)
     tensors: dict[str, torch.Tensor] = {}
     origin: dict[str, Path] = {}
@@ -74,15 +82,30 @@ def load_tensors(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[s
         try:
             if path.suffix == ".safetensors":
                 with safe_open(str(path), framework="pt") as f:
-                    part = {key: f.get_tensor(key) for key in f.keys()}
+                    keys = list(f.keys())
+                part = {}
+                for key in keys:
+                    with safe_open(str(path), framework="pt") as f:
+                        part[key] = copy(f.get_tensor(key))
             else:
-                part = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                part = {key: copy(value) for key, value in
+                        torch.load(path, map_location="cpu", weights_only=True, mmap=True).items()}
         except Exception as e:  # safetensors and torch.load raise several types for a damaged file
             raise CheckpointError(f"{path}: cannot read the weights (truncated or corrupt file?): {e}") from e
         for key, value in part.items():
             tensors[key] = value
             origin[key] = path
     return tensors, origin
+
+
+def trim_heap() -> None:
+    """Returns the C heap's free pages to the system (glibc's ``malloc_trim``; elsewhere nothing).
+    Loading and packing free hundreds of MB in pieces (parts of fused projections, weights handed
+    over to packed copies) that glibc keeps mapped, counted in the process's resident memory."""
+    library = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(library), "malloc_trim", None) if library else None
+    if trim is not None:
+        trim(0)
 
 
 def save_tensors(directory: str | Path, tensors: dict[str, torch.Tensor], config: dict) -> None:

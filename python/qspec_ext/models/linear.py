@@ -7,11 +7,21 @@ streams its weights at the memory's speed, where MKL's plain fp32 / bf16 GEMMs a
 packed; see benchmarks/HISTORY.md). ``pack_linears(model)`` packs at ``setup``; autograd, autocast,
 CUDA and fp16 run ``F.linear`` on the weight itself, which stays the one source of truth (a weight
 changed after packing is noticed and used unpacked until the next ``setup`` packs it again).
+
+An inference-only model (the native target) keeps one copy: ``pack_linears(model, release=True)``
+hands each weight no other module shares over to its packed copy, as vLLM's CPU backend does. The
+weight stays a parameter of the same shape and dtype, on the meta device (no storage: reading its
+values fails loudly); ``state_dict``, ``.to()`` and ``load_state_dict`` restore it exactly from the
+packed copy (``to_dense()``), and the paths that need it dense unpack it per call.
 """
+
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .checkpoint import trim_heap
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -50,27 +60,63 @@ class Linear(nn.Linear):
     packed_weight: torch.Tensor | None = None
     packed_from: tuple | None = None
 
+    @property
+    def released(self) -> bool:
+        """The weight was handed over to the packed copy (``pack_linears(..., release=True)``)."""
+        return self.packed_weight is not None and self.weight.is_meta
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed, compiling = self.packed_weight, torch.compiler.is_compiling()
         if (packed is not None and x.device.type == "cpu" and x.dtype == packed.dtype and self.bias is None
                 and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
-                and (compiling or self.packed_from == weight_key(self.weight))):
+                and (compiling or self.weight.is_meta or self.packed_from == weight_key(self.weight))):
             rows = x.reshape(-1, x.shape[-1]).contiguous()
             out = (onednn_linear if compiling else packed_matmul)(rows, packed)
             return out.view(*x.shape[:-1], packed.shape[0])
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, packed.to_dense() if self.released else self.weight, self.bias)
+
+    def restore_weight(self) -> None:
+        """Gives a released weight its dense values back (the packed copy stays valid)."""
+        if self.released:
+            self.weight = nn.Parameter(self.packed_weight.to_dense(), requires_grad=False)
+            self.packed_from = weight_key(self.weight)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.released:
+            destination[prefix + "weight"] = self.packed_weight.to_dense()
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self.restore_weight()
+        super()._load_from_state_dict(*args, **kwargs)
+
+    def _apply(self, fn, recurse=True):
+        self.restore_weight()
+        return super()._apply(fn, recurse)
 
 
 @torch.no_grad()
-def pack_linears(model: nn.Module) -> None:
+def pack_linears(model: nn.Module, release: bool = False) -> int:
     """(Re)packs the weight of every :class:`Linear` in ``model`` that is on the CPU in fp32 or
-    bf16 and changed since it was last packed; drops the packed copy of the others."""
+    bf16 and changed since it was last packed; drops the packed copy of the others. ``release``
+    (an inference-only model): each packed weight no other parameter slot shares (a tied
+    embedding stays dense) is handed over to its packed copy, one module at a time (peak memory:
+    the weights plus one module's). Returns how many weights it released."""
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    released = 0
     for module in model.modules():
-        if not isinstance(module, Linear):
+        if not isinstance(module, Linear) or module.released:
             continue
         weight = module.weight
         if weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES or not onednn_available():
             module.packed_weight = module.packed_from = None
-        elif module.packed_from != weight_key(weight):
+            continue
+        if module.packed_from != weight_key(weight):
             module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
             module.packed_from = weight_key(weight)
+        if release and uses[id(weight)] == 1:
+            module.weight = nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
+            del weight
+            trim_heap()  # the dense copy's pages go back now, before the next module packs
+            released += 1
+    return released

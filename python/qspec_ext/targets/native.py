@@ -13,8 +13,8 @@ from .. import ops, reference
 from ..arguments import check_aux_layer_ids, check_load
 from ..aux import AuxHiddenCapture, default_aux_layer_ids
 from ..rope import rope_config, rope_cos_sin_cache
-from ..models.checkpoint import CheckpointError, check_tensors, load_tensors, read_config, resolve_checkpoint
-from ..models.layers import MLP, Attention, RMSNormWeight, TreeAttention, keep_path, static_caches
+from ..models.checkpoint import CheckpointError, check_tensors, load_tensors, read_config, resolve_checkpoint, trim_heap
+from ..models.layers import MLP, Attention, RMSNormWeight, TreeAttention, join_checkpoint_parts, keep_path, static_caches
 from ..models.linear import Linear, pack_linears
 from .base import Capabilities
 
@@ -123,11 +123,11 @@ class NativeTarget(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.model.embed_tokens.weight.device  # (the projections' weights are released at setup)
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        return self.model.embed_tokens.weight.dtype
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
@@ -139,7 +139,7 @@ class NativeTarget(nn.Module):
         check_load("NativeTarget.from_pretrained", path, dtype, device)
         directory = resolve_checkpoint(path)
         config = NativeConfig.from_hf(read_config(directory), str(directory / "config.json"))
-        tensors, origin = load_tensors(directory)
+        tensors, origin = load_tensors(directory, dtype)
         with torch.device("meta"):
             model = cls(config, aux_layer_ids, use_custom_ops)
         expected = model.state_dict()
@@ -147,20 +147,24 @@ class NativeTarget(nn.Module):
             tensors.pop("lm_head.weight", None)
             tensors["lm_head.weight"] = tensors.get("model.embed_tokens.weight")
         check_tensors(directory, tensors, origin, expected)
+        join_checkpoint_parts(model, tensors)
         model.load_state_dict(tensors, assign=True, strict=True)
         if config.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         model.to(device=device, dtype=dtype or model.lm_head.weight.dtype)
+        del tensors
+        trim_heap()
         return model.eval()
 
     def setup(self, batch_size: int, max_length: int) -> None:
         """Preallocates the per-request KV cache ``[B * max_length, Hkv, D]`` per layer and packs the
-        projections for CPU inference (:func:`~qspec_ext.models.linear.pack_linears`)."""
-        c, w = self.config, self.lm_head.weight
+        projections for CPU inference, keeping only the packed copy of each weight the embedding
+        does not share (:func:`~qspec_ext.models.linear.pack_linears`; the target is inference-only)."""
+        c, w = self.config, self.model.embed_tokens.weight
         self.batch_size, self.max_length = batch_size, max_length
         shape = (batch_size * max_length, c.num_key_value_heads, c.head_dim)
         self.caches = static_caches(self.caches, len(self.model.layers), shape, w)
-        pack_linears(self)
+        pack_linears(self, release=True)
         self.cos_sin = rope_cos_sin_cache(max_length, c.head_dim, c.rope_theta, torch.float32, w.device, c.rope_scaling)
 
     @torch.no_grad()
