@@ -222,6 +222,9 @@ def parse_args():
     parser.add_argument("--dtypes", nargs="+", choices=["fp32", "bf16"], default=["fp32", "bf16"])
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
+    if args.what != "acceptance" and max(args.batch) > args.prompts:
+        parser.error(f"--batch {max(args.batch)} needs at least that many prompts (--prompts {args.prompts}): "
+                     f"a batch is that many requests at once")
     args.k = args.k or ([1, 3, 5, 7] if args.what == "acceptance" else [3] if args.what == "memory" else [3, 5])
     return args
 

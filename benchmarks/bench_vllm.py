@@ -168,6 +168,9 @@ def main():
     args = parser.parse_args()
     if len(args.engines) < 2:
         parser.error("--engines: at least two (ratios are against the second)")
+    if max(args.batch) > args.prompts:
+        parser.error(f"--batch {max(args.batch)} needs at least that many prompts (--prompts {args.prompts}): "
+                     f"a batch is that many requests at once")
     for engine in args.engines:
         plugin_disabled(engine)  # an unknown name fails before any child runs
     base = dict(pair=args.pair, prompts=prompts_of(args.pair, args.prompts), k=args.k, batch=args.batch,
