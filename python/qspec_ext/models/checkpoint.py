@@ -1,8 +1,8 @@
-"""Reading and writing checkpoint directories: safetensors (memory-mapped, maybe sharded) or
-pytorch_model.bin, with errors that name the file and the key."""
+"""Reading and writing checkpoint directories: safetensors (maybe sharded) or pytorch_model.bin,
+with errors that name the file and the key."""
 
 import ctypes
-import ctypes.util
+import functools
 import json
 import os
 import re
@@ -65,7 +65,8 @@ def _weight_files(directory: Path) -> list[Path]:
     raise CheckpointError(f"{directory}: no model.safetensors, pytorch_model.bin or shard index found")
 
 
-def load_tensors(directory: str | Path, dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
+def load_tensors(directory: str | Path,
+                 dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
     """All tensors of a checkpoint directory and the file of each key, as tensors of their own
     (``dtype``: the floating ones converted). A safetensors file is opened per tensor, so that
     only one tensor's pages of the file are mapped at a time: peak memory stays the weights
@@ -98,12 +99,16 @@ def load_tensors(directory: str | Path, dtype: torch.dtype | None = None) -> tup
     return tensors, origin
 
 
+@functools.cache
+def _malloc_trim():
+    return getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc's; None elsewhere
+
+
 def trim_heap() -> None:
     """Returns the C heap's free pages to the system (glibc's ``malloc_trim``; elsewhere nothing).
     Loading and packing free hundreds of MB in pieces (parts of fused projections, weights handed
     over to packed copies) that glibc keeps mapped, counted in the process's resident memory."""
-    library = ctypes.util.find_library("c")
-    trim = getattr(ctypes.CDLL(library), "malloc_trim", None) if library else None
+    trim = _malloc_trim()
     if trim is not None:
         trim(0)
 

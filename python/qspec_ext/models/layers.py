@@ -55,7 +55,7 @@ def named_parts_in_checkpoints(module: nn.Module, fused: str, parts: dict[str, i
 
     module.register_state_dict_post_hook(split)
     module.register_load_state_dict_pre_hook(join)
-    module.join_checkpoint_parts = join
+    module.__dict__.setdefault("checkpoint_joins", []).append(join)
 
 
 def join_checkpoint_parts(model: nn.Module, state_dict: dict) -> None:
@@ -63,8 +63,7 @@ def join_checkpoint_parts(model: nn.Module, state_dict: dict) -> None:
     module at a time: each part is freed as soon as it is copied (``load_state_dict`` works on a
     copy of the dict, so the caller's dict would hold every part until it returns)."""
     for name, module in model.named_modules():
-        join = getattr(module, "join_checkpoint_parts", None)
-        if join is not None:
+        for join in module.__dict__.get("checkpoint_joins", ()):
             join(module, state_dict, name + "." if name else "")
 
 

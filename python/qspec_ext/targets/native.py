@@ -13,8 +13,10 @@ from .. import ops, reference
 from ..arguments import check_aux_layer_ids, check_load
 from ..aux import AuxHiddenCapture, default_aux_layer_ids
 from ..rope import rope_config, rope_cos_sin_cache
-from ..models.checkpoint import CheckpointError, check_tensors, load_tensors, read_config, resolve_checkpoint, trim_heap
-from ..models.layers import MLP, Attention, RMSNormWeight, TreeAttention, join_checkpoint_parts, keep_path, static_caches
+from ..models.checkpoint import (CheckpointError, check_tensors, load_tensors, read_config, resolve_checkpoint,
+                                 trim_heap)
+from ..models.layers import (MLP, Attention, RMSNormWeight, TreeAttention, join_checkpoint_parts, keep_path,
+                             static_caches)
 from ..models.linear import Linear, pack_linears
 from .base import Capabilities
 
