@@ -30,11 +30,12 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
+
+from common import print_child_result, run_child
 
 from qspec_ext import SpeculativeDecoder, generate_plain, load_pair
 from qspec_ext.decode import in_batches
@@ -180,11 +181,7 @@ def memory(args) -> list[dict]:
         command = [sys.executable, __file__, "memory", "--child", dtype, "--drafting", args.drafting[0], "-k",
                    str(args.k[0]), "--prompts", str(args.prompts), "--max-new-tokens", str(args.max_new_tokens),
                    "--batch", *map(str, args.batch)]
-        proc = subprocess.run(command, capture_output=True, text=True)
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-        if proc.returncode != 0 or not lines:
-            sys.exit(f"bench_smollm2 memory: the {dtype} child failed:\n{proc.stderr[-3000:]}")
-        row = json.loads(lines[-1][len("RESULT "):])
+        row = run_child(command, f"bench_smollm2 memory: the {dtype} child")
         row["peak_over_weights_and_caches"] = row["peak"] / (row["weights"] + row["caches"])
         rows.append(row)
         print(f"  {dtype}: weights {row['weights'] / mb:.0f} MiB + caches {row['caches'] / mb:.0f} MiB; peak resident "
@@ -195,12 +192,10 @@ def memory(args) -> list[dict]:
 
 
 def main():
-    if sys.argv[1:3] == ["memory", "--child"]:
-        dtype = sys.argv.pop(3)
-        del sys.argv[2]
-        print("RESULT " + json.dumps(memory_child(dtype, parse_args())))
-        return
     args = parse_args()
+    if args.child:
+        print_child_result(memory_child(args.child, args))
+        return
     start = time.perf_counter()
     rows = {"acceptance": acceptance, "speed": speed, "memory": memory}[args.what](args)
     print(f"({time.perf_counter() - start:.0f} s)", file=sys.stderr)
@@ -221,6 +216,7 @@ def parse_args():
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--dtypes", nargs="+", choices=["fp32", "bf16"], default=["fp32", "bf16"])
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # memory: the measuring process of one dtype
     args = parser.parse_args()
     if args.what != "acceptance" and max(args.batch) > args.prompts:
         parser.error(f"--batch {max(args.batch)} needs at least that many prompts (--prompts {args.prompts}): "

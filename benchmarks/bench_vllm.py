@@ -23,9 +23,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
+
+from common import print_child_result, run_child
 
 KINDS = ("plain", "chain", "parallel")
 
@@ -132,25 +133,20 @@ def plugin_disabled(engine: str) -> str:
     return ",".join(s for s in SEAMS if s != seam)
 
 
-def run_child(engine: str, job: dict) -> dict:
+def run_engine(engine: str, job: dict) -> dict:
     cores = job["cores"]
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
                VLLM_CPU_OMP_THREADS_BIND=f"0-{cores - 1}" if cores > 1 else "0", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
                OMP_NUM_THREADS=str(cores), QSPEC_VLLM_DISABLE=plugin_disabled(engine))
     child = "qspec_ext" if engine == "qspec_ext" else "vllm"
     command = ["taskset", "-c", f"0-{cores - 1}", sys.executable, __file__, "--child", child, json.dumps(job)]
-    proc = subprocess.run(command, capture_output=True, text=True, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        sys.exit(f"bench_vllm: the {engine} child failed:\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return run_child(command, f"bench_vllm: the {engine} child", env)
 
 
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         job = json.loads(sys.argv[3])
-        result = child_qspec(job) if sys.argv[2] == "qspec_ext" else child_vllm(job)
-        print("RESULT " + json.dumps(result))
+        print_child_result(child_qspec(job) if sys.argv[2] == "qspec_ext" else child_vllm(job))
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pair", default="tiny")
@@ -179,7 +175,7 @@ def main():
     for round_ in range(args.rounds):
         for cores in args.cores:
             for engine in args.engines:
-                runs.setdefault((engine, cores), []).append(run_child(engine, dict(base, cores=cores)))
+                runs.setdefault((engine, cores), []).append(run_engine(engine, dict(base, cores=cores)))
                 print(f"round {round_ + 1}/{args.rounds}: {engine} on {cores} core(s) done", file=sys.stderr)
     reference = args.engines[1]
     rows = []

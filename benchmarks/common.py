@@ -12,6 +12,7 @@ import argparse
 import json
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -189,3 +190,21 @@ def timed(device: str, generate, repeat: int = 1):
         runs.append((result.stats.num_generated_tokens / (time.perf_counter() - start), result))
     rate, result = max(runs, key=lambda run: run[0])
     return result, rate
+
+
+RESULT_PREFIX = "RESULT "
+
+
+def print_child_result(result) -> None:
+    """A benchmark child process's answer to :func:`run_child`: one JSON line on stdout."""
+    print(RESULT_PREFIX + json.dumps(result))
+
+
+def run_child(command: list[str], what: str, env: dict | None = None):
+    """Runs a benchmark's child process (a fresh process: its own pinning, peak memory, engine) and
+    returns what it printed with :func:`print_child_result`; exits naming ``what`` when it fails."""
+    proc = subprocess.run(command, capture_output=True, text=True, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    if proc.returncode != 0 or not lines:
+        sys.exit(f"{what} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len(RESULT_PREFIX):])

@@ -102,7 +102,7 @@ def pack_linears(model: nn.Module, release: bool = False) -> int:
     (an inference-only model): each packed weight no other parameter slot shares (a tied
     embedding stays dense) is handed over to its packed copy, one module at a time (peak memory:
     the weights plus one module's). Returns how many weights it released."""
-    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False)) if release else None
     released = 0
     for module in model.modules():
         if not isinstance(module, Linear) or module.released:
