@@ -11,7 +11,8 @@ transformers = pytest.importorskip("transformers")
 from qspec_ext import Eagle3Drafter, NativeTarget  # noqa: E402
 from qspec_ext.demo import DEMO_DIR, run_demo  # noqa: E402
 from qspec_ext.rope import rope_cos_sin_cache  # noqa: E402
-from qspec_ext.train import TrainConfig, Windows, cod_nodes, parallel_forward, train_drafter, ttt_loss, ttt_step  # noqa: E402
+from qspec_ext.train import (TrainConfig, Windows, cod_nodes, draft_labels, parallel_forward, train_drafter,  # noqa: E402
+                             ttt_loss, ttt_step)
 
 CODE = '''
 def add(a, b):
@@ -155,17 +156,18 @@ def test_ttt_step_one_is_the_drafters_forward(tiny_target, trained):
         cos_sin = rope_cos_sin_cache(32, loaded.config.head_dim, loaded.config.rope_theta)
         x = loaded.fc(features[:, :11])
         logits, _, _ = ttt_step(loaded, x, ids[:, 1:], torch.arange(11), cos_sin, [[] for _ in loaded.layers])
-        loss, accuracies = ttt_loss(loaded, ids, features, out.logits, 3, cos_sin)
+        draft_ids = loaded.t2d.nonzero().flatten()
+        labels = draft_labels(out.logits, draft_ids, top_k=len(draft_ids))  # the whole draft vocabulary
+        loss, accuracies = ttt_loss(loaded, ids, features, labels, 3, cos_sin)
     loaded.setup(2, 32)
     prefill = loaded.prefill(features[:, :11], ids[:, 1:], torch.arange(11).expand(2, 11))
     torch.testing.assert_close(prefill, logits, atol=1e-4, rtol=1e-4)
-    draft_ids = loaded.t2d.nonzero().flatten()
     agree = prefill.argmax(-1) == out.logits[:, 1:, draft_ids].argmax(-1)  # pair t predicts row t+1
     assert float(accuracies[0]) == pytest.approx(float(agree.float().mean()))
     # Step 1's loss is the KL of the target's next-token rows (restricted to the draft vocabulary)
     # against the prefill's draft logits, computed here from scratch.
     with torch.no_grad():
-        one_step, _ = ttt_loss(loaded, ids, features, out.logits, 1, cos_sin)
+        one_step, _ = ttt_loss(loaded, ids, features, labels, 1, cos_sin)
     p = torch.softmax(out.logits[:, 1:].float(), -1)[..., draft_ids]
     p = p / p.sum(-1, keepdim=True)
     kl = (p * (p.log() - torch.log_softmax(prefill.float(), -1))).sum(-1).mean()
@@ -186,7 +188,8 @@ def test_ttt_step_two_is_the_drafters_second_step(tiny_target, trained):
         out = hf(ids, output_hidden_states=True)
         features = torch.cat([out.hidden_states[i] for i in (2, 4, 5)], -1)
         cos_sin = rope_cos_sin_cache(32, loaded.config.head_dim, loaded.config.rope_theta)
-        two = ttt_loss(loaded, ids, features, out.logits, 2, cos_sin)[0] - ttt_loss(loaded, ids, features, out.logits, 1, cos_sin)[0]
+        labels = draft_labels(out.logits, draft_ids, top_k=len(draft_ids))
+        two = ttt_loss(loaded, ids, features, labels, 2, cos_sin)[0] - ttt_loss(loaded, ids, features, labels, 1, cos_sin)[0]
         for t in range(10):  # pairs whose token two ahead exists
             loaded.setup(1, 32)
             loaded.prefill(features[:, : t + 1], ids[:, 1 : t + 2], torch.arange(t + 1)[None])
@@ -279,22 +282,32 @@ def test_trainer_learns_every_ttt_step_of_a_predictable_target(tmp_path):
 
 
 def test_regenerated_training_data_is_the_targets_greedy_continuation(tiny_target):
-    from qspec_ext.train import greedy_continuation, regenerated_batches
+    from qspec_ext.targets import load_target
+    from qspec_ext.train import regenerated_batches
 
-    target = transformers.AutoModelForCausalLM.from_pretrained(tiny_target / "target").eval()
-    prompts = torch.randint(0, target.config.vocab_size, (3, 5))
-    expected = target.generate(prompts, max_new_tokens=7, min_new_tokens=7, do_sample=False,
-                               attention_mask=torch.ones_like(prompts))
-    assert torch.equal(greedy_continuation(target, prompts, 7), expected)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_target / "target").eval()
+    target = load_target(tiny_target / "target", dtype=torch.float32)
+    draft_ids = torch.arange(0, hf.config.vocab_size, 3)
     windows = Windows(list(range(1, 200)), 16, 2, seed=0)
-    served = [next(data) for data in [regenerated_batches(target, windows, 2, pool=2)] for _ in range(4)]
-    pool = torch.cat(served[:2])
-    assert sorted(map(tuple, pool.tolist())) == sorted(map(tuple, torch.cat(served[2:]).tolist())), "served twice"
-    assert torch.equal(pool[:, 4:], greedy_continuation(target, pool[:, :4], 12)[:, 4:]), "prompt: a quarter"
+    served = [next(data) for data in [regenerated_batches(target, windows, draft_ids, 2, pool=2)] for _ in range(4)]
+    pool = torch.cat([ids for ids, _, _ in served[:2]])
+    assert sorted(map(tuple, pool.tolist())) == sorted(map(tuple, torch.cat([b[0] for b in served[2:]]).tolist())), \
+        "served twice"
+    expected = hf.generate(pool[:, :4], max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                           attention_mask=torch.ones_like(pool[:, :4]))
+    assert torch.equal(pool, expected), "a quarter of the window, then the target's greedy text"
+    ids, features, (index, logp) = served[0]
+    with torch.no_grad():
+        out = hf(ids, output_hidden_states=True)
+    expected_features = torch.cat([out.hidden_states[i] for i in target.aux_layer_ids], -1)
+    torch.testing.assert_close(features, expected_features, atol=2e-2, rtol=1e-2)  # stored in bf16
+    restricted = torch.log_softmax(out.logits[..., draft_ids], -1)
+    torch.testing.assert_close(logp, restricted.topk(index.shape[-1], -1).values, atol=1e-4, rtol=1e-4)
+    assert torch.equal(index[..., 0].long(), restricted.argmax(-1))
 
 
 def test_training_on_regenerated_data_lowers_the_loss(tiny_target, tmp_path):
-    config = TrainConfig(steps=30, ttt_steps=2, draft_vocab=120, seq_len=48, batch_size=4, lr=3e-3, seed=0,
+    config = TrainConfig(steps=60, ttt_steps=2, draft_vocab=120, seq_len=48, batch_size=4, lr=3e-3, seed=0,
                          regenerate=True)
     _, history = train_drafter(tiny_target / "target", [tiny_target / "code.py"], tmp_path / "draft", config,
                                progress=False)
@@ -312,10 +325,11 @@ def test_compiled_ttt_loss_equals_the_eager_one(tiny_target, trained):
         out = hf(ids, output_hidden_states=True)
     features = torch.cat([out.hidden_states[i] for i in (2, 4, 5)], -1)
     cos_sin = rope_cos_sin_cache(32, drafter.config.head_dim, drafter.config.rope_theta)
+    labels = draft_labels(out.logits, drafter.t2d.nonzero().flatten())
     results = []
     for loss_fn in (ttt_loss, torch.compile(ttt_loss, fullgraph=True)):
         drafter.zero_grad(set_to_none=True)
-        loss, accuracies = loss_fn(drafter, ids, features, out.logits, 3, cos_sin)
+        loss, accuracies = loss_fn(drafter, ids, features, labels, 3, cos_sin)
         loss.backward()
         results.append((loss.detach(), accuracies, {n: p.grad for n, p in drafter.named_parameters() if p.requires_grad}))
     (eager_loss, eager_acc, eager_grads), (loss, acc, grads) = results
@@ -434,13 +448,22 @@ def test_an_interrupted_run_resumes_to_the_same_drafter(tiny_target, tmp_path, m
     with pytest.raises(KeyboardInterrupt):
         train_drafter(tiny_target / "target", [tiny_target / "code.py"], tmp_path / "split", config, progress=False)
     assert (tmp_path / "split" / "checkpoint.pt").is_file()  # written after step 4
+    assert (tmp_path / "split" / "features.pt").is_file()  # the target's features, kept for the resume
     monkeypatch.setattr(torch.optim.AdamW, "step", real_step)
+
+    def computed_again(*args, **kwargs):
+        raise AssertionError("a resumed run reads the stored target features")
+
+    import qspec_ext.train
+
+    monkeypatch.setattr(qspec_ext.train.TargetFeatures, "compute", computed_again)
     resumed, history = train_drafter(tiny_target / "target", [tiny_target / "code.py"], tmp_path / "split", config,
                                      progress=False)
     assert history == whole_history and len(history) == 6
     for key, value in whole.state_dict().items():
         torch.testing.assert_close(resumed.state_dict()[key], value, msg=key)
-    assert not (tmp_path / "split" / "checkpoint.pt").exists()  # done: the checkpoint goes
+    assert not (tmp_path / "split" / "checkpoint.pt").exists()  # done: the checkpoint goes, and the features
+    assert not (tmp_path / "split" / "features.pt").exists()
     written = json.loads((tmp_path / "split" / "history.json").read_text())
     assert written["history"] == json.loads(json.dumps(whole_history)) and written["seconds"] > 0
     torch.save(dict(config=config), tmp_path / "split" / "checkpoint.pt")  # another run's checkpoint
@@ -450,13 +473,13 @@ def test_an_interrupted_run_resumes_to_the_same_drafter(tiny_target, tmp_path, m
 
 
 def test_jsonl_token_ids_train_like_the_text_they_encode(tiny_target, tmp_path):
-    """Regenerated conversations come as token ids (.jsonl with "ids"): the same tokens as the text
-    train the same drafter."""
+    """Regenerated conversations come as token ids (.jsonl with "ids", a sequence each): the text's
+    tokens in the pieces the trainer reads text in (4 x seq_len) train the same drafter."""
     from qspec_ext.text import load_tokenizer
 
     ids = load_tokenizer(tiny_target / "target").encode((tiny_target / "code.py").read_text()).ids
-    half = len(ids) // 2
-    (tmp_path / "data.jsonl").write_text(json.dumps({"ids": ids[:half]}) + "\n" + json.dumps({"ids": ids[half:]}) + "\n")
+    pieces = [ids[i : i + 128] for i in range(0, len(ids), 128)]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"ids": p}) + "\n" for p in pieces))
     config = TrainConfig(steps=2, ttt_steps=1, draft_vocab=120, seq_len=32, batch_size=2, seed=0)
     from_text, _ = train_drafter(tiny_target / "target", [tiny_target / "code.py"], tmp_path / "a", config,
                                  progress=False)

@@ -1,13 +1,17 @@
 """Training an EAGLE-3 drafter for a target, speculators-style, on local text.
 
-Target features come from the target's aux layers on the fly; the draft vocabulary is
-the N most frequent target tokens of the data (d2t / t2d); training-time test (TTT) runs
-several draft steps, step j feeding on step j-1's outputs and attending to the real
-context plus its own earlier steps at the same index, exactly what drafting sees; the
-loss is the KL divergence to the target's next-token distribution restricted to the
-draft vocabulary. With `regenerate`, the text after each window's first quarter is the
-target's own greedy continuation (self-distillation: the drafter learns the text greedy
-decoding will ask it to draft).
+The target (``load_target``: the native one where it runs) reads the training sequences
+once, before the first step: its aux features and its next-token distribution over the
+draft vocabulary (kept at the top ``LABEL_TOP_K`` tokens) per token, each sequence in its own
+context from position 0, as decoding sees it (a checkpointed run stores them beside its
+checkpoint). Training then runs the drafter alone, so epochs cost the drafter's steps only.
+The draft vocabulary is the N most frequent target tokens of the data (d2t / t2d);
+training-time test (TTT) runs several draft steps, step j feeding on step j-1's outputs and
+attending to the real context plus its own earlier steps at the same index, exactly what
+drafting sees; the loss is the KL divergence to the target's next-token distribution
+restricted to the draft vocabulary. With `regenerate`, the text after each window's first
+quarter is the target's own greedy continuation (self-distillation: the drafter learns the
+text greedy decoding will ask it to draft), regenerated a pool of windows at a time.
 """
 
 import json
@@ -93,21 +97,22 @@ def check_train_config(c: TrainConfig) -> None:
         raise ValueError(f"{where}: arch must be 'qwen3' or 'llama', got {c.arch!r}")
 
 
-def token_stream(tokenizer, files: list[Path]) -> list[int]:
-    """The training tokens, file after file: text files tokenized, .jsonl files read as token ids
-    (one record per line with "ids": a conversation already tokenized, e.g. the target's
-    regenerated answers of scripts/make_smollm2_data.py)."""
-    ids: list[int] = []
+def token_sequences(tokenizer, files: list[Path], chunk: int) -> list[list[int]]:
+    """The training sequences, file after file: a .jsonl file's records (one per line with "ids":
+    a conversation already tokenized, e.g. the target's regenerated answers of
+    scripts/make_smollm2_data.py), a text file's tokens in pieces of ``chunk``."""
+    sequences: list[list[int]] = []
     for path in map(Path, files):
         if path.suffix == ".jsonl":
             for number, line in enumerate(path.read_text().splitlines(), 1):
                 record = json.loads(line) if line.strip() else {}
                 if not isinstance(record.get("ids"), list):
                     raise ValueError(f"{path}:{number}: a JSONL training record needs an \"ids\" list of token ids")
-                ids.extend(record["ids"])
+                sequences.append(record["ids"])
         else:
-            ids.extend(tokenizer.encode(path.read_text(errors="replace")).ids)
-    return ids
+            ids = tokenizer.encode(path.read_text(errors="replace")).ids
+            sequences.extend(ids[i : i + chunk] for i in range(0, len(ids), chunk))
+    return [s for s in sequences if s]
 
 
 class Windows:
@@ -121,33 +126,86 @@ class Windows:
     def __iter__(self):
         return self
 
+    def starts(self) -> torch.Tensor:
+        """The first rows of the next batch_size windows."""
+        return torch.tensor([self.rng.randrange(0, len(self.data) - self.seq_len) for _ in range(self.batch_size)])
+
     def __next__(self) -> torch.Tensor:
-        starts = [self.rng.randrange(0, len(self.data) - self.seq_len) for _ in range(self.batch_size)]
-        return torch.stack([self.data[s : s + self.seq_len] for s in starts])
+        return self.data[self.starts()[:, None] + torch.arange(self.seq_len)]
 
 
-@torch.no_grad()
-def greedy_continuation(model, prompts: torch.Tensor, length: int) -> torch.Tensor:
-    """prompts [B, P] followed by the transformers causal LM's own `length` greedy tokens."""
-    ids = [prompts]
-    out = model(prompts, use_cache=True)
-    for i in range(length):
-        ids.append(out.logits[:, -1:].argmax(-1))
-        if i + 1 < length:
-            out = model(ids[-1], cache=out.cache, use_cache=True)
-    return torch.cat(ids, dim=1)
+LABEL_TOP_K = 32  # the target's next-token distribution kept per token: its most likely draft tokens
 
 
-def regenerated_batches(model, windows, batch_size: int, pool: int = 8, passes: int = 2):
-    """Batches like `windows`' whose last three quarters the target writes itself, `pool` batches
-    at a time, each pool served `passes` times (reshuffled): generating costs about a training step."""
+def draft_labels(target_logits: torch.Tensor, draft_ids: torch.Tensor, top_k: int = LABEL_TOP_K):
+    """The target's next-token distribution restricted to the draft vocabulary (the target ids
+    ``draft_ids [Vd]``, sorted), kept at its ``top_k`` most likely tokens: (draft index
+    ``[..., k]`` int32, most likely first; log-probability ``[..., k]`` fp32 over the draft vocabulary)."""
+    logp = torch.log_softmax(target_logits.float()[..., draft_ids], dim=-1)
+    values, index = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
+    return index.to(torch.int32), values
+
+
+class TargetFeatures:
+    """What the drafter learns from, per token of ``sequences`` (lists of ids) laid end to end:
+    ``tokens [N]``, the target's aux ``features [N, n*H]`` (bf16: half the memory; the drafter
+    reads them in fp32) and its ``labels`` (:func:`draft_labels`) at each token. The target
+    runs each sequence alone, from position 0: a token's features see exactly its sequence so far."""
+
+    def __init__(self, tokens, features, label_index, label_logp):
+        self.tokens, self.features, self.label_index, self.label_logp = tokens, features, label_index, label_logp
+
+    @classmethod
+    @torch.no_grad()
+    def compute(cls, target, sequences: list[list[int]], draft_ids: torch.Tensor, top_k: int = LABEL_TOP_K,
+                progress: bool = False) -> "TargetFeatures":
+        from tqdm import tqdm
+
+        tokens = torch.tensor([t for s in sequences for t in s], dtype=torch.long)
+        features = None  # [N, n*H], allocated at the first sequence's width
+        k = min(top_k, len(draft_ids))
+        index, logp = torch.empty(len(tokens), k, dtype=torch.int32), torch.empty(len(tokens), k)
+        target.setup(1, max(map(len, sequences)))
+        row = 0
+        for sequence in tqdm(sequences, desc="target features", disable=not progress):
+            n = len(sequence)
+            ids = tokens[row : row + n].to(target.device)[None]
+            logits = target(ids, torch.arange(n, device=target.device)[None])
+            rows = target.capture.gather(torch.arange(n, device=target.device))
+            if features is None:
+                features = torch.empty(len(tokens), rows.shape[1], dtype=torch.bfloat16)
+            features[row : row + n] = rows.cpu()
+            index[row : row + n], logp[row : row + n] = (t.cpu() for t in draft_labels(logits[0], draft_ids, k))
+            row += n
+        return cls(tokens, features, index, logp)
+
+    def state(self) -> dict:
+        return dict(tokens=self.tokens, features=self.features, label_index=self.label_index, label_logp=self.label_logp)
+
+    def batch(self, starts: torch.Tensor, length: int, device) -> tuple:
+        """ids [B, length], features [B, length, n*H] (fp32) and labels of the windows at ``starts``."""
+        rows = starts[:, None] + torch.arange(length)
+        return (self.tokens[rows].to(device), self.features[rows].to(device, torch.float32),
+                (self.label_index[rows].to(device), self.label_logp[rows].to(device)))
+
+
+def regenerated_batches(target, windows: Windows, draft_ids, batch_size: int, pool: int = 8, passes: int = 2):
+    """Batches like ``windows``' whose last three quarters the target writes itself (greedy, with
+    :func:`~qspec_ext.decode.generate_plain`), ``pool`` batches at a time, each pool served
+    ``passes`` times (reshuffled): (ids, features, labels) as :meth:`TargetFeatures.batch` gives them."""
+    from .decode import generate_plain
+
     generator = torch.Generator().manual_seed(0)
+    length = windows.seq_len
+    prompt_len = max(1, length // 4)
     while True:
-        prompts = torch.cat([next(windows) for _ in range(pool)])
-        prompt_len = max(1, prompts.shape[1] // 4)
-        text = greedy_continuation(model, prompts[:, :prompt_len], prompts.shape[1] - prompt_len)
+        prompts = torch.cat([next(windows) for _ in range(pool)])[:, :prompt_len].tolist()
+        written = generate_plain(target, prompts, max_new_tokens=length - prompt_len).tokens
+        store = TargetFeatures.compute(target, [p + w for p, w in zip(prompts, written)], draft_ids)
         for _ in range(passes):
-            yield from text[torch.randperm(len(text), generator=generator).to(text.device)].split(batch_size)
+            order = torch.randperm(len(prompts), generator=generator) * length
+            for starts in order.split(batch_size):
+                yield store.batch(starts, length, target.device)
 
 
 def _rms(x, w, eps):
@@ -255,20 +313,19 @@ def fc_input(model: Eagle3Drafter, features):
     return reference.gather_aux_hidden(chunks, rows, None, mode, weight, model.config.rms_norm_eps).view(B, L, width)
 
 
-def _kl_and_accuracy(model: Eagle3Drafter, logits, target_logits):
-    """Per-row KL(p || q) of the target's distribution restricted to the draft vocabulary (p)
-    and the drafter's (q), and whether their argmaxes agree."""
-    with torch.no_grad():
-        p = torch.softmax(target_logits.float(), dim=-1)
-        if model.t2d is not None:
-            p = p[..., torch.nonzero(model.t2d).flatten()]
-        p = p / p.sum(-1, keepdim=True).clamp(min=1e-12)
-    log_q = torch.log_softmax(logits.float(), dim=-1)
-    return (p * (torch.log(p.clamp(min=1e-12)) - log_q)).sum(-1), logits.argmax(-1) == p.argmax(-1)
+def _kl_and_accuracy(logits, labels):
+    """Per-row KL(p || q) of the target's distribution over the draft vocabulary as ``labels``
+    keep it (:func:`draft_labels`, renormalized over the kept tokens: p) and the drafter's (q),
+    and whether the drafter's argmax is the target's."""
+    index, logp = labels
+    p = torch.softmax(logp, dim=-1)
+    log_q = torch.log_softmax(logits.float(), dim=-1).gather(-1, index.long())
+    return (p * (torch.log(p.clamp(min=1e-12)) - log_q)).sum(-1), logits.argmax(-1) == index[..., 0]
 
 
-def ttt_loss(model: Eagle3Drafter, target_ids, features, target_logits, ttt_steps, cos_sin):
-    """features [B, T, n*H] and target_logits [B, T, V] at positions 0..T-1 of target_ids [B, T].
+def ttt_loss(model: Eagle3Drafter, target_ids, features, labels, ttt_steps, cos_sin):
+    """features [B, T, n*H] and the target's labels (:func:`draft_labels`, [B, T, k]) at positions
+    0..T-1 of target_ids [B, T].
     Returns the summed loss and the top-1 accuracy of each step ``[ttt_steps]`` (no host
     synchronization: it compiles as one graph)."""
     B, T = target_ids.shape
@@ -283,7 +340,7 @@ def ttt_loss(model: Eagle3Drafter, target_ids, features, target_logits, ttt_step
         logits, x_next, kv = ttt_step(model, x, target_ids[:, source], index + step, cos_sin, past)
         for layer_past, layer_kv in zip(past, kv):
             layer_past.append(layer_kv)
-        kl, hit = _kl_and_accuracy(model, logits[:, :count], target_logits[:, source[:count]])
+        kl, hit = _kl_and_accuracy(logits[:, :count], tuple(t[:, source[:count]] for t in labels))
         total = total + kl.mean()
         accuracies.append(hit.float().mean())
         x = x_next
@@ -317,7 +374,7 @@ def parallel_forward(model: Eagle3Drafter, target_ids, features, anchor, depth, 
     return masked_forward(model, model.fc(fc_input(model, raw)), tokens, anchor + depth, cos_sin, allowed)
 
 
-def parallel_loss(model: Eagle3Drafter, target_ids, features, target_logits, config: "TrainConfig", cos_sin,
+def parallel_loss(model: Eagle3Drafter, target_ids, features, labels, config: "TrainConfig", cos_sin,
                   generator: torch.Generator):
     """P-EAGLE training over COD-sampled nodes (parallel_forward: what parallel drafting sees);
     node (anchor, depth) at position anchor + depth predicts the target's row at position + 1.
@@ -326,7 +383,7 @@ def parallel_loss(model: Eagle3Drafter, target_ids, features, target_logits, con
     anchor, depth = cod_nodes(T - 1, config.parallel_depth, config.cod_ratio, config.cod_floor, generator)
     anchor, depth = anchor.to(target_ids.device), depth.to(target_ids.device)
     logits = parallel_forward(model, target_ids, features, anchor, depth, cos_sin)
-    kl, hit = _kl_and_accuracy(model, logits, target_logits[:, anchor + depth + 1])
+    kl, hit = _kl_and_accuracy(logits, tuple(t[:, anchor + depth + 1] for t in labels))
     total, accuracies = 0.0, []
     for d in range(config.parallel_depth):
         at = depth == d
@@ -336,26 +393,48 @@ def parallel_loss(model: Eagle3Drafter, target_ids, features, target_logits, con
     return total, torch.stack(accuracies)
 
 
+def _target_features(target, sequences, draft_ids, out_dir, keep: bool, progress: bool) -> TargetFeatures:
+    """TargetFeatures of the sequences; ``keep``: stored in out_dir/features.pt, and read from there
+    when they are of the same tokens and draft vocabulary (a resumed run does not compute them again)."""
+    path = Path(out_dir) / "features.pt"
+    tokens = torch.tensor([t for s in sequences for t in s], dtype=torch.long)
+    if keep and path.is_file():
+        state = torch.load(path, weights_only=True)
+        if torch.equal(state.pop("tokens"), tokens) and torch.equal(state.pop("draft_ids"), draft_ids.cpu()):
+            return TargetFeatures(tokens, **state)
+    store = TargetFeatures.compute(target, sequences, draft_ids, progress=progress)
+    if keep:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(dict(store.state(), draft_ids=draft_ids.cpu()), path.with_suffix(".tmp"))
+        path.with_suffix(".tmp").replace(path)
+    return store
+
+
 def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: str = "cpu", progress: bool = True):
-    """Trains a drafter for the transformers causal LM in target_dir and writes it (speculators format)."""
+    """Trains a drafter for the causal LM in target_dir (a checkpoint ``load_target`` reads) and writes
+    it (speculators format)."""
     check_train_config(config)
     missing = [str(f) for f in data_files if not Path(f).is_file()]
     if missing:
         raise FileNotFoundError(f"train_drafter: data files not found: {missing}")
     from tqdm import tqdm
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
+    from .targets import load_target
+
+    started = time.perf_counter()  # the target's features count as training time
     torch.manual_seed(config.seed)
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(device).eval()
+    tc = AutoConfig.from_pretrained(target_dir)
     tokenizer = load_tokenizer(target_dir)
-    tc = target.config
     aux_ids = list(config.aux_layer_ids or default_aux_layer_ids(tc.num_hidden_layers))
-    # Id N (the last layer's output before the final norm) is not among transformers' hidden
-    # states (its hidden_states[N] is after the norm), so training takes ids below N.
     if max(aux_ids) >= tc.num_hidden_layers or len(set(aux_ids)) != len(aux_ids):
         raise ValueError(f"train_drafter: aux_layer_ids must be distinct layer ids in [0, {tc.num_hidden_layers}) "
                          f"of the {tc.num_hidden_layers}-layer target, got {aux_ids}")
-    stream = token_stream(tokenizer, [Path(f) for f in data_files])
+    target = load_target(target_dir, dtype=torch.float32, device=device, aux_layer_ids=aux_ids)
+    # Text is read in pieces the target's positions hold; a window then spans at most two.
+    chunk = min(4 * config.seq_len, tc.max_position_embeddings)
+    sequences = token_sequences(tokenizer, [Path(f) for f in data_files], chunk)
+    stream = [t for s in sequences for t in s]
     if len(stream) <= config.seq_len:
         raise ValueError(f"train_drafter: the data holds {len(stream)} tokens, fewer than seq_len + 1 = {config.seq_len + 1}")
     counts = Counter(stream)
@@ -364,6 +443,7 @@ def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: 
     frequent = {t for t, _ in counts.most_common(draft_vocab)}
     unseen = (t for t in range(vocab_size) if t not in frequent)  # pad a small corpus up to draft_vocab
     frequent = sorted(frequent | {next(unseen) for _ in range(draft_vocab - len(frequent))})
+    draft_ids = torch.tensor(frequent, device=device)
     theta, scaling = rope_config(tc.to_dict(), default_theta=10000.0 if tc.model_type == "llama" else 1_000_000.0)
     # P-EAGLE's mask token: an id the data never uses (its embedding is learned), else the last.
     parallel = dict(parallel_drafting=True, speculative_tokens=config.parallel_depth,
@@ -378,14 +458,13 @@ def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: 
         fc_norm=config.fc_norm, norm_output=config.norm_output, **parallel,
     )
     drafter = Eagle3Drafter(dconfig, use_custom_ops=False).to(device)
-    with torch.no_grad():
+    with torch.no_grad():  # (before the target's setup, which may hand its weights to packed copies)
         drafter.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
         if drafter.d2t is not None:
-            ids = torch.tensor(frequent, device=device)
-            drafter.d2t.copy_(ids - torch.arange(draft_vocab, device=device))
+            drafter.d2t.copy_(draft_ids - torch.arange(draft_vocab, device=device))
             drafter.t2d.zero_()
-            drafter.t2d[ids] = True
-            drafter.lm_head.weight.copy_(target.get_output_embeddings().weight[ids])
+            drafter.t2d[draft_ids] = True
+            drafter.lm_head.weight.copy_(target.get_output_embeddings().weight[draft_ids])
     own = config.parallel if config.own_embeddings is None else config.own_embeddings
     drafter.embed_tokens.weight.requires_grad_(own)
     drafter.embeddings_borrowed = not own
@@ -396,11 +475,8 @@ def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: 
     cos_sin = rope_cos_sin_cache(config.seq_len + max(config.ttt_steps, config.parallel_depth) + 1, dconfig.head_dim,
                                  dconfig.rope_theta, device=device, scaling=dconfig.rope_scaling)
     windows = Windows(stream, config.seq_len, config.batch_size, config.seed)
-    data = windows
-    if config.regenerate:
-        data = regenerated_batches(target, (b.to(device) for b in windows), config.batch_size)
     nodes = torch.Generator().manual_seed(config.seed)
-    history, seconds_before, started = [], 0.0, time.perf_counter()
+    history, seconds_before = [], 0.0
     checkpoint = Path(out_dir) / "checkpoint.pt"
     if config.checkpoint_every is not None and checkpoint.is_file():
         state = torch.load(checkpoint, weights_only=False)
@@ -415,6 +491,11 @@ def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: 
         torch.set_rng_state(state["torch"])
         history = state["history"]
         seconds_before = state["seconds"]
+    if config.regenerate:
+        batches = regenerated_batches(target, windows, draft_ids, config.batch_size)
+    else:
+        store = _target_features(target, sequences, draft_ids, out_dir, config.checkpoint_every is not None, progress)
+        batches = (store.batch(windows.starts(), config.seq_len, device) for _ in iter(int, 1))
     if config.parallel:
         loss_fn = partial(parallel_loss, config=config, cos_sin=cos_sin, generator=nodes)
     else:
@@ -424,15 +505,12 @@ def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: 
     bar = tqdm(range(len(history), config.steps), desc="train-drafter", disable=not progress,
                initial=len(history), total=config.steps)
     for step in bar:
-        ids = next(data).to(device)
-        with torch.no_grad():
-            out = target(ids, output_hidden_states=True)
-        features = torch.cat([out.hidden_states[i] for i in aux_ids], dim=-1)
+        ids, features, labels = next(batches)
         if config.parallel and not history:  # start the mask slots' input at the mean feature
             with torch.no_grad():
                 drafter.mask_hidden.copy_(features.mean(dim=(0, 1), keepdim=True))
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=config.bf16):
-            loss, accuracies = loss_fn(drafter, ids, features, out.logits)
+            loss, accuracies = loss_fn(drafter, ids, features, labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -449,6 +527,7 @@ def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: 
                             seconds=seconds_before + time.perf_counter() - started), partial_file)
             partial_file.replace(checkpoint)  # a kill mid-write leaves the previous checkpoint
     drafter.save_pretrained(out_dir)
+    (Path(out_dir) / "features.pt").unlink(missing_ok=True)
     # The loss curve and the training time, the runs before a resume included.
     (Path(out_dir) / "history.json").write_text(json.dumps(
         {"history": history, "seconds": seconds_before + time.perf_counter() - started}) + "\n")

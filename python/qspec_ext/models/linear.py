@@ -23,11 +23,17 @@ from torch import nn
 
 from .checkpoint import trim_heap
 
-PACKED_DTYPES = (torch.float32, torch.bfloat16)
-
 
 def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def packable_dtypes() -> tuple[torch.dtype, ...]:
+    """The dtypes oneDNN runs packed on this CPU: fp32 everywhere, bf16 only with AVX-512 (BW, VL,
+    DQ) or AVX-NE-CONVERT (an AVX2-only CPU has no bf16 primitives: its weights stay unpacked)."""
+    if not onednn_available():
+        return ()
+    return (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
 
 
 def packed_matmul(input: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:
@@ -97,18 +103,18 @@ class Linear(nn.Linear):
 
 @torch.no_grad()
 def pack_linears(model: nn.Module, release: bool = False) -> int:
-    """(Re)packs the weight of every :class:`Linear` in ``model`` that is on the CPU in fp32 or
-    bf16 and changed since it was last packed; drops the packed copy of the others. ``release``
+    """(Re)packs the weight of every :class:`Linear` in ``model`` that is on the CPU in a dtype of
+    :func:`packable_dtypes` and changed since it was last packed; drops the packed copy of the others. ``release``
     (an inference-only model): each packed weight no other parameter slot shares (a tied
     embedding stays dense) is handed over to its packed copy, one module at a time (peak memory:
     the weights plus one module's). Returns how many weights it released."""
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False)) if release else None
-    released = 0
+    packable, released = packable_dtypes(), 0
     for module in model.modules():
         if not isinstance(module, Linear) or module.released:
             continue
         weight = module.weight
-        if weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES or not onednn_available():
+        if weight.device.type != "cpu" or weight.dtype not in packable:
             module.packed_weight = module.packed_from = None
             continue
         if module.packed_from != weight_key(weight):

@@ -46,3 +46,5 @@ class Target(Protocol):
         whose positions start below what the cache holds rewinds it."""
 
     def get_input_embeddings(self) -> torch.nn.Embedding: ...
+
+    def get_output_embeddings(self) -> torch.nn.Module: ...  # the lm_head (a drafter's starting point)

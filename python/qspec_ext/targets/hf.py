@@ -411,6 +411,9 @@ class HFTarget(nn.Module):
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.get_input_embeddings()
 
+    def get_output_embeddings(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
     @property
     def device(self) -> torch.device:
         return self.get_input_embeddings().weight.device

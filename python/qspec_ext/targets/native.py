@@ -134,6 +134,10 @@ class NativeTarget(nn.Module):
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
 
+    def get_output_embeddings(self) -> Linear:
+        """The lm_head (its weight has values until :meth:`setup` hands it to its packed copy)."""
+        return self.lm_head
+
     @classmethod
     def from_pretrained(cls, path, dtype=None, device=None, aux_layer_ids=None, use_custom_ops: bool = True):
         """Loads an HF Qwen3 or Llama checkpoint (config.json + safetensors, sharded or not): a directory, or a
