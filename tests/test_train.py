@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 from qspec_ext import Eagle3Drafter, NativeTarget  # noqa: E402
 from qspec_ext.demo import DEMO_DIR, run_demo  # noqa: E402
 from qspec_ext.rope import rope_cos_sin_cache  # noqa: E402
-from qspec_ext.train import (TrainConfig, Windows, cod_nodes, draft_labels, parallel_forward, train_drafter,  # noqa: E402
+from qspec_ext.train import (TargetFeatures, TrainConfig, Windows, cod_nodes, draft_labels, parallel_forward, train_drafter,  # noqa: E402
                              ttt_loss, ttt_step)
 
 CODE = '''
@@ -290,13 +290,14 @@ def test_regenerated_training_data_is_the_targets_greedy_continuation(tiny_targe
     draft_ids = torch.arange(0, hf.config.vocab_size, 3)
     windows = Windows(list(range(1, 200)), 16, 2, seed=0)
     served = [next(data) for data in [regenerated_batches(target, windows, draft_ids, 2, pool=2)] for _ in range(4)]
-    pool = torch.cat([ids for ids, _, _ in served[:2]])
+    pool = torch.cat([batch[0] for batch in served[:2]])
     assert sorted(map(tuple, pool.tolist())) == sorted(map(tuple, torch.cat([b[0] for b in served[2:]]).tolist())), \
         "served twice"
     expected = hf.generate(pool[:, :4], max_new_tokens=12, min_new_tokens=12, do_sample=False,
                            attention_mask=torch.ones_like(pool[:, :4]))
     assert torch.equal(pool, expected), "a quarter of the window, then the target's greedy text"
-    ids, features, (index, logp) = served[0]
+    ids, features, (index, logp), weight = served[0]
+    assert torch.equal(weight, (torch.arange(16) < 15).float().expand(2, 16)), "every row's label but the last's"
     with torch.no_grad():
         out = hf(ids, output_hidden_states=True)
     expected_features = torch.cat([out.hidden_states[i] for i in target.aux_layer_ids], -1)
@@ -470,6 +471,31 @@ def test_an_interrupted_run_resumes_to_the_same_drafter(tiny_target, tmp_path, m
     with pytest.raises(ValueError, match="checkpoint.pt was written with another TrainConfig"):
         train_drafter(tiny_target / "target", [tiny_target / "code.py"], tmp_path / "split",
                       dataclasses.replace(config, lr=1e-3), progress=False)
+
+
+def test_training_windows_stay_in_one_sequence_and_train_only_its_answer():
+    """Row r's label is the target's distribution of token r + 1: a record's rows from its prompt's
+    last token to its second-to-last train; a window never trains rows of another sequence."""
+    import random
+
+    sequences = [([1, 2, 3, 4, 5, 6], 3), ([7, 8, 9], 0), (list(range(10, 30)), 5)]
+    tokens, starts, trained = TargetFeatures.layout(sequences)
+    assert starts.tolist() == [0, 6, 9, 29]
+    assert trained.nonzero().flatten().tolist() == [2, 3, 4, 6, 7, *range(13, 28)]
+    n = len(tokens)
+    store = TargetFeatures(tokens, torch.arange(n, dtype=torch.bfloat16)[:, None], torch.zeros(n, 1, dtype=torch.int32),
+                           torch.zeros(n, 1), starts, trained)
+    sequence_of = torch.searchsorted(starts, torch.arange(n), right=True) - 1
+    rng, seen = random.Random(0), set()
+    for _ in range(40):
+        ids, features, _, weight = store.sample(rng, 4, 8, "cpu")
+        for window_ids, rows, w in zip(ids, features[..., 0].long(), weight):
+            first = int(sequence_of[rows[0]])
+            seen.add(first)
+            assert torch.equal(window_ids, tokens[rows]), "features and tokens of the same rows"
+            assert rows[0] >= starts[first] and (first != 2 or rows[-1] < starts[3]), "long sequences: inside"
+            assert torch.equal(w.bool(), trained[rows] & (sequence_of[rows] == first) & (rows == rows[0] + torch.arange(8)))
+    assert seen == {0, 1, 2}
 
 
 def test_jsonl_token_ids_train_like_the_text_they_encode(tiny_target, tmp_path):

@@ -97,22 +97,24 @@ def check_train_config(c: TrainConfig) -> None:
         raise ValueError(f"{where}: arch must be 'qwen3' or 'llama', got {c.arch!r}")
 
 
-def token_sequences(tokenizer, files: list[Path], chunk: int) -> list[list[int]]:
-    """The training sequences, file after file: a .jsonl file's records (one per line with "ids":
-    a conversation already tokenized, e.g. the target's regenerated answers of
-    scripts/make_smollm2_data.py), a text file's tokens in pieces of ``chunk``."""
-    sequences: list[list[int]] = []
+def token_sequences(tokenizer, files: list[Path], chunk: int) -> list[tuple[list[int], int]]:
+    """The training sequences, file after file, each with the index of its first token the drafter
+    learns to draft: a .jsonl file's records (one per line with "ids": a conversation already
+    tokenized, e.g. the target's regenerated answers of scripts/make_smollm2_data.py; from its
+    "prompt_length" on: the answer, not the prompt), a text file's tokens in pieces of ``chunk``
+    (all of it)."""
+    sequences: list[tuple[list[int], int]] = []
     for path in map(Path, files):
         if path.suffix == ".jsonl":
             for number, line in enumerate(path.read_text().splitlines(), 1):
                 record = json.loads(line) if line.strip() else {}
                 if not isinstance(record.get("ids"), list):
                     raise ValueError(f"{path}:{number}: a JSONL training record needs an \"ids\" list of token ids")
-                sequences.append(record["ids"])
+                sequences.append((record["ids"], int(record.get("prompt_length", 0))))
         else:
             ids = tokenizer.encode(path.read_text(errors="replace")).ids
-            sequences.extend(ids[i : i + chunk] for i in range(0, len(ids), chunk))
-    return [s for s in sequences if s]
+            sequences.extend((ids[i : i + chunk], 0) for i in range(0, len(ids), chunk))
+    return [(ids, first) for ids, first in sequences if len(ids) > 1]
 
 
 class Windows:
@@ -126,12 +128,9 @@ class Windows:
     def __iter__(self):
         return self
 
-    def starts(self) -> torch.Tensor:
-        """The first rows of the next batch_size windows."""
-        return torch.tensor([self.rng.randrange(0, len(self.data) - self.seq_len) for _ in range(self.batch_size)])
-
     def __next__(self) -> torch.Tensor:
-        return self.data[self.starts()[:, None] + torch.arange(self.seq_len)]
+        starts = [self.rng.randrange(0, len(self.data) - self.seq_len) for _ in range(self.batch_size)]
+        return torch.stack([self.data[s : s + self.seq_len] for s in starts])
 
 
 LABEL_TOP_K = 32  # the target's next-token distribution kept per token: its most likely draft tokens
@@ -147,52 +146,80 @@ def draft_labels(target_logits: torch.Tensor, draft_ids: torch.Tensor, top_k: in
 
 
 class TargetFeatures:
-    """What the drafter learns from, per token of ``sequences`` (lists of ids) laid end to end:
-    ``tokens [N]``, the target's aux ``features [N, n*H]`` (bf16: half the memory; the drafter
-    reads them in fp32) and its ``labels`` (:func:`draft_labels`) at each token. The target
-    runs each sequence alone, from position 0: a token's features see exactly its sequence so far."""
+    """What the drafter learns from, per token of training sequences laid end to end: ``tokens [N]``,
+    the target's aux ``features [N, n*H]`` (bf16: half the memory; the drafter reads them in fp32),
+    its ``labels`` (:func:`draft_labels`) at each token, the sequences' first rows ``starts [S + 1]``
+    (the last: N) and ``trained [N]``: the rows whose label is a token the drafter learns to draft
+    (in the sequence, from its answer on). The target runs each sequence alone, from position 0:
+    a token's features see exactly its sequence so far, as in decoding."""
 
-    def __init__(self, tokens, features, label_index, label_logp):
+    def __init__(self, tokens, features, label_index, label_logp, starts, trained):
         self.tokens, self.features, self.label_index, self.label_logp = tokens, features, label_index, label_logp
+        self.starts, self.trained = starts, trained
 
     @classmethod
     @torch.no_grad()
-    def compute(cls, target, sequences: list[list[int]], draft_ids: torch.Tensor, top_k: int = LABEL_TOP_K,
-                progress: bool = False) -> "TargetFeatures":
+    def compute(cls, target, sequences: list[tuple[list[int], int]], draft_ids: torch.Tensor,
+                top_k: int = LABEL_TOP_K, progress: bool = False) -> "TargetFeatures":
+        """``sequences``: (token ids, the first one the drafter learns to draft)."""
         from tqdm import tqdm
 
-        tokens = torch.tensor([t for s in sequences for t in s], dtype=torch.long)
+        tokens, starts, trained = cls.layout(sequences)
         features = None  # [N, n*H], allocated at the first sequence's width
         k = min(top_k, len(draft_ids))
         index, logp = torch.empty(len(tokens), k, dtype=torch.int32), torch.empty(len(tokens), k)
-        target.setup(1, max(map(len, sequences)))
-        row = 0
-        for sequence in tqdm(sequences, desc="target features", disable=not progress):
-            n = len(sequence)
-            ids = tokens[row : row + n].to(target.device)[None]
-            logits = target(ids, torch.arange(n, device=target.device)[None])
+        target.setup(1, int((starts[1:] - starts[:-1]).max()))
+        for (ids, _), row in tqdm(zip(sequences, starts.tolist()), total=len(sequences), desc="target features",
+                                  disable=not progress):
+            n = len(ids)
+            logits = target(tokens[row : row + n].to(target.device)[None], torch.arange(n, device=target.device)[None])
             rows = target.capture.gather(torch.arange(n, device=target.device))
             if features is None:
                 features = torch.empty(len(tokens), rows.shape[1], dtype=torch.bfloat16)
             features[row : row + n] = rows.cpu()
             index[row : row + n], logp[row : row + n] = (t.cpu() for t in draft_labels(logits[0], draft_ids, k))
-            row += n
-        return cls(tokens, features, index, logp)
+        return cls(tokens, features, index, logp, starts, trained)
+
+    @staticmethod
+    def layout(sequences: list[tuple[list[int], int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """tokens, starts and trained of the sequences."""
+        tokens = torch.tensor([t for ids, _ in sequences for t in ids], dtype=torch.long)
+        starts = torch.cat([torch.zeros(1, dtype=torch.long), torch.tensor([len(ids) for ids, _ in sequences]).cumsum(0)])
+        trained = torch.zeros(len(tokens), dtype=torch.bool)
+        for (ids, first), start in zip(sequences, starts.tolist()):
+            trained[start + max(first - 1, 0) : start + len(ids) - 1] = True  # row r labels token r + 1
+        return tokens, starts, trained
 
     def state(self) -> dict:
-        return dict(tokens=self.tokens, features=self.features, label_index=self.label_index, label_logp=self.label_logp)
+        return dict(tokens=self.tokens, features=self.features, label_index=self.label_index,
+                    label_logp=self.label_logp, starts=self.starts)
+
+    def sample(self, rng: random.Random, batch_size: int, length: int, device) -> tuple:
+        """Random windows of ``length`` rows, each inside one sequence (a sequence shorter than
+        ``length`` from its start; the rows after its end train nothing): :meth:`batch` of them."""
+        starts = []
+        for _ in range(batch_size):
+            s = rng.randrange(len(self.starts) - 1)
+            first, end = int(self.starts[s]), int(self.starts[s + 1])
+            starts.append(first + rng.randrange(max(1, end - first - length + 1)))
+        return self.batch(torch.tensor(starts), length, device)
 
     def batch(self, starts: torch.Tensor, length: int, device) -> tuple:
-        """ids [B, length], features [B, length, n*H] (fp32) and labels of the windows at ``starts``."""
+        """The windows of ``length`` rows at ``starts``: ids [B, length], features [B, length, n*H]
+        (fp32), labels and their weight [B, length] (1: a trained row of the window's sequence)."""
         rows = starts[:, None] + torch.arange(length)
+        sequence = torch.searchsorted(self.starts, starts, right=True) - 1
+        inside = rows < self.starts[sequence + 1][:, None]
+        rows = rows.clamp(max=len(self.tokens) - 1)
+        weight = (self.trained[rows] & inside).float()
         return (self.tokens[rows].to(device), self.features[rows].to(device, torch.float32),
-                (self.label_index[rows].to(device), self.label_logp[rows].to(device)))
+                (self.label_index[rows].to(device), self.label_logp[rows].to(device)), weight.to(device))
 
 
 def regenerated_batches(target, windows: Windows, draft_ids, batch_size: int, pool: int = 8, passes: int = 2):
     """Batches like ``windows``' whose last three quarters the target writes itself (greedy, with
     :func:`~qspec_ext.decode.generate_plain`), ``pool`` batches at a time, each pool served
-    ``passes`` times (reshuffled): (ids, features, labels) as :meth:`TargetFeatures.batch` gives them."""
+    ``passes`` times (reshuffled): as :meth:`TargetFeatures.batch` gives them."""
     from .decode import generate_plain
 
     generator = torch.Generator().manual_seed(0)
@@ -201,7 +228,7 @@ def regenerated_batches(target, windows: Windows, draft_ids, batch_size: int, po
     while True:
         prompts = torch.cat([next(windows) for _ in range(pool)])[:, :prompt_len].tolist()
         written = generate_plain(target, prompts, max_new_tokens=length - prompt_len).tokens
-        store = TargetFeatures.compute(target, [p + w for p, w in zip(prompts, written)], draft_ids)
+        store = TargetFeatures.compute(target, [(p + w, 0) for p, w in zip(prompts, written)], draft_ids)
         for _ in range(passes):
             order = torch.randperm(len(prompts), generator=generator) * length
             for starts in order.split(batch_size):
@@ -313,6 +340,10 @@ def fc_input(model: Eagle3Drafter, features):
     return reference.gather_aux_hidden(chunks, rows, None, mode, weight, model.config.rms_norm_eps).view(B, L, width)
 
 
+def _weighted_mean(values, weight):
+    return (values * weight).sum() / weight.sum().clamp(min=1.0)
+
+
 def _kl_and_accuracy(logits, labels):
     """Per-row KL(p || q) of the target's distribution over the draft vocabulary as ``labels``
     keep it (:func:`draft_labels`, renormalized over the kept tokens: p) and the drafter's (q),
@@ -323,9 +354,9 @@ def _kl_and_accuracy(logits, labels):
     return (p * (torch.log(p.clamp(min=1e-12)) - log_q)).sum(-1), logits.argmax(-1) == index[..., 0]
 
 
-def ttt_loss(model: Eagle3Drafter, target_ids, features, labels, ttt_steps, cos_sin):
+def ttt_loss(model: Eagle3Drafter, target_ids, features, labels, ttt_steps, cos_sin, weight=None):
     """features [B, T, n*H] and the target's labels (:func:`draft_labels`, [B, T, k]) at positions
-    0..T-1 of target_ids [B, T].
+    0..T-1 of target_ids [B, T]; ``weight [B, T]`` weighs each label row (None: all count).
     Returns the summed loss and the top-1 accuracy of each step ``[ttt_steps]`` (no host
     synchronization: it compiles as one graph)."""
     B, T = target_ids.shape
@@ -341,8 +372,9 @@ def ttt_loss(model: Eagle3Drafter, target_ids, features, labels, ttt_steps, cos_
         for layer_past, layer_kv in zip(past, kv):
             layer_past.append(layer_kv)
         kl, hit = _kl_and_accuracy(logits[:, :count], tuple(t[:, source[:count]] for t in labels))
-        total = total + kl.mean()
-        accuracies.append(hit.float().mean())
+        w = torch.ones_like(kl) if weight is None else weight[:, source[:count]]
+        total = total + _weighted_mean(kl, w)
+        accuracies.append(_weighted_mean(hit.float(), w))
         x = x_next
     return total, torch.stack(accuracies)
 
@@ -375,7 +407,7 @@ def parallel_forward(model: Eagle3Drafter, target_ids, features, anchor, depth, 
 
 
 def parallel_loss(model: Eagle3Drafter, target_ids, features, labels, config: "TrainConfig", cos_sin,
-                  generator: torch.Generator):
+                  generator: torch.Generator, weight=None):
     """P-EAGLE training over COD-sampled nodes (parallel_forward: what parallel drafting sees);
     node (anchor, depth) at position anchor + depth predicts the target's row at position + 1.
     Returns the loss (the mean KL of each depth, summed) and the top-1 accuracy at each depth."""
@@ -384,24 +416,26 @@ def parallel_loss(model: Eagle3Drafter, target_ids, features, labels, config: "T
     anchor, depth = anchor.to(target_ids.device), depth.to(target_ids.device)
     logits = parallel_forward(model, target_ids, features, anchor, depth, cos_sin)
     kl, hit = _kl_and_accuracy(logits, tuple(t[:, anchor + depth + 1] for t in labels))
+    w = torch.ones_like(kl) if weight is None else weight[:, anchor + depth + 1]
     total, accuracies = 0.0, []
     for d in range(config.parallel_depth):
         at = depth == d
         if bool(at.any()):
-            total = total + kl[:, at].mean()
-            accuracies.append(hit[:, at].float().mean())
+            total = total + _weighted_mean(kl[:, at], w[:, at])
+            accuracies.append(_weighted_mean(hit[:, at].float(), w[:, at]))
     return total, torch.stack(accuracies)
 
 
 def _target_features(target, sequences, draft_ids, out_dir, keep: bool, progress: bool) -> TargetFeatures:
     """TargetFeatures of the sequences; ``keep``: stored in out_dir/features.pt, and read from there
-    when they are of the same tokens and draft vocabulary (a resumed run does not compute them again)."""
+    when they are of the same sequences and draft vocabulary (a resumed run does not compute them again)."""
     path = Path(out_dir) / "features.pt"
-    tokens = torch.tensor([t for s in sequences for t in s], dtype=torch.long)
+    tokens, starts, trained = TargetFeatures.layout(sequences)
     if keep and path.is_file():
         state = torch.load(path, weights_only=True)
-        if torch.equal(state.pop("tokens"), tokens) and torch.equal(state.pop("draft_ids"), draft_ids.cpu()):
-            return TargetFeatures(tokens, **state)
+        if all(torch.equal(state.pop(name), value) for name, value in
+               (("tokens", tokens), ("starts", starts), ("draft_ids", draft_ids.cpu()))):
+            return TargetFeatures(tokens, starts=starts, trained=trained, **state)
     store = TargetFeatures.compute(target, sequences, draft_ids, progress=progress)
     if keep:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -434,7 +468,7 @@ def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: 
     # Text is read in pieces the target's positions hold; a window then spans at most two.
     chunk = min(4 * config.seq_len, tc.max_position_embeddings)
     sequences = token_sequences(tokenizer, [Path(f) for f in data_files], chunk)
-    stream = [t for s in sequences for t in s]
+    stream = [t for ids, _ in sequences for t in ids]
     if len(stream) <= config.seq_len:
         raise ValueError(f"train_drafter: the data holds {len(stream)} tokens, fewer than seq_len + 1 = {config.seq_len + 1}")
     counts = Counter(stream)
@@ -495,7 +529,7 @@ def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: 
         batches = regenerated_batches(target, windows, draft_ids, config.batch_size)
     else:
         store = _target_features(target, sequences, draft_ids, out_dir, config.checkpoint_every is not None, progress)
-        batches = (store.batch(windows.starts(), config.seq_len, device) for _ in iter(int, 1))
+        batches = (store.sample(windows.rng, config.batch_size, config.seq_len, device) for _ in iter(int, 1))
     if config.parallel:
         loss_fn = partial(parallel_loss, config=config, cos_sin=cos_sin, generator=nodes)
     else:
@@ -505,12 +539,12 @@ def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: 
     bar = tqdm(range(len(history), config.steps), desc="train-drafter", disable=not progress,
                initial=len(history), total=config.steps)
     for step in bar:
-        ids, features, labels = next(batches)
+        ids, features, labels, weight = next(batches)
         if config.parallel and not history:  # start the mask slots' input at the mean feature
             with torch.no_grad():
                 drafter.mask_hidden.copy_(features.mean(dim=(0, 1), keepdim=True))
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=config.bf16):
-            loss, accuracies = loss_fn(drafter, ids, features, labels)
+            loss, accuracies = loss_fn(drafter, ids, features, labels, weight=weight)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
