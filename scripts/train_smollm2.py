@@ -3,16 +3,20 @@
 and a P-EAGLE drafter, both with an 8192-token draft vocabulary from the data's token counts,
 stored in bf16 (both drafters together within ~40 MB: the embeddings are the target's).
 
-    python scripts/train_smollm2.py [--steps 600] [--parallel-steps 400] [--only chain|parallel]
-    python scripts/train_smollm2.py --smoke DIR      # 2 steps per part into DIR: does it run
+    python scripts/train_smollm2.py [--steps 700] [--parallel-steps 400] [--only chain|parallel]
+    python scripts/train_smollm2.py --smoke DIR      # 2 steps per part, on 16 records, into DIR: does it run
 
-Reproducible (fixed seeds) and resumable: each part checkpoints every 10 steps under
-build/smollm2-train/ (not committed: about 110 MB per part) and a rerun on the same machine
-continues where the last one stopped; a finished part is not trained again. Measured on the
-2-core machine: about 5 s per chain step (TTT over 7 steps, batch 2 x 256, bf16 autocast,
-compiled; its first step compiles for about 2 minutes) and about 4.3 s per P-EAGLE step: 600 +
-400 steps, about 80 minutes, the seconds of each part in loss_curves.json. Writes python/qspec_ext/smollm2_pair/{draft,draft-parallel}
-and loss_curves.json / .png (loss and accuracy per step, seconds per part).
+First the target (the native one, fp32) reads every record once (its aux features and top-32
+draft-vocabulary labels, about 1.7 GB, kept in build/smollm2-train/features.pt and shared by both
+parts); then each part trains the drafter alone on windows inside one record, its loss on the
+answer tokens. Reproducible (fixed seeds) and resumable: each part checkpoints every 10 steps
+under build/smollm2-train/ (not committed: about 110 MB per part) and a rerun on the same machine
+continues where the last one stopped; a finished part is not trained again. fp32 throughout: on a
+CPU without AVX-512 bf16 autocast ran a chain step 35x slower (71 s against 2.1 s). Measured on
+an AVX2-only 2-core machine (2026-12-03): the target reads about 190 tokens/s (488k tokens: about
+43 minutes), a chain step (TTT over 7 steps, batch 2 x 256, compiled) about 2.2 s. Writes
+python/qspec_ext/smollm2_pair/{draft,draft-parallel} and loss_curves.json / .png (loss and
+accuracy per step, seconds per part).
 """
 
 import argparse
@@ -30,8 +34,9 @@ REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data" / "smollm2"
 WORK = REPO / "build" / "smollm2-train"
 
-COMMON = dict(draft_vocab=8192, arch="qwen3", seq_len=256, batch_size=2, lr=1e-3, seed=0, intermediate_size=1024,
-              bf16=True, checkpoint_every=10, own_embeddings=False)
+COMMON = dict(draft_vocab=8192, arch="qwen3", seq_len=256, batch_size=4, lr=1e-3, seed=0, intermediate_size=1024,
+              bf16=False, checkpoint_every=10, own_embeddings=False)
+SMOKE_RECORDS = 16
 
 
 def data_complete() -> bool:
@@ -41,13 +46,13 @@ def data_complete() -> bool:
     return bool(prompts) and len(done) == 2 * len(prompts)
 
 
-def train_part(name: str, config: TrainConfig, curves: dict, shipped: Path) -> None:
+def train_part(name: str, config: TrainConfig, curves: dict, shipped: Path, data: Path) -> None:
     out = shipped / name
     if (out / "config.json").is_file() and name in curves:
         print(f"{name}: already trained ({out})", file=sys.stderr)
         return
     work = WORK / name
-    drafter, history = train_drafter(target_dir("smollm2"), [DATA / "answers.jsonl"], work, config)
+    drafter, history = train_drafter(target_dir("smollm2"), [data], work, config, features_file=WORK / "features.pt")
     seconds = json.loads((work / "history.json").read_text())["seconds"]  # every session's share
     drafter.to(torch.bfloat16).save_pretrained(out)  # without embeddings: the target lends its own
     curves[name] = {"loss": [h[0] for h in history], "accuracy": [h[1] for h in history], "seconds": seconds,
@@ -78,26 +83,31 @@ def plot(curves: dict, shipped: Path) -> None:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=600, help="chain drafter steps")
+    parser.add_argument("--steps", type=int, default=700, help="chain drafter steps")
     parser.add_argument("--parallel-steps", type=int, default=400, help="P-EAGLE drafter steps")
     parser.add_argument("--only", choices=["chain", "parallel"])
-    parser.add_argument("--smoke", metavar="DIR", help="2 steps per part on the data there is, written to DIR")
+    parser.add_argument("--smoke", metavar="DIR", help=f"2 steps per part on the first {SMOKE_RECORDS} records, written to DIR")
     args = parser.parse_args()
-    shipped = SMOLLM2_DIR
+    shipped, data = SMOLLM2_DIR, DATA / "answers.jsonl"
     if args.smoke:
         shipped, args.steps, args.parallel_steps = Path(args.smoke), 2, 2
         global WORK
         WORK = shipped / "work"
+        WORK.mkdir(parents=True, exist_ok=True)
+        data = WORK / "answers.jsonl"
+        data.write_text("".join((DATA / "answers.jsonl").read_text().splitlines(keepends=True)[:SMOKE_RECORDS]))
     elif not data_complete():
         sys.exit(f"train_smollm2: the data in {DATA} is incomplete: run scripts/make_smollm2_data.py until it is done")
     shipped.mkdir(parents=True, exist_ok=True)
     curves_path = shipped / "loss_curves.json"
     curves = json.loads(curves_path.read_text()) if curves_path.is_file() else {}
     if args.only in (None, "chain"):
-        train_part("draft", TrainConfig(steps=args.steps, ttt_steps=7, compile=True, **COMMON), curves, shipped)
+        train_part("draft", TrainConfig(steps=args.steps, ttt_steps=7, compile=True, **COMMON), curves, shipped, data)
     if args.only in (None, "parallel"):
         train_part("draft-parallel", TrainConfig(steps=args.parallel_steps, parallel=True, parallel_depth=8,
-                                                 **COMMON), curves, shipped)
+                                                 **COMMON), curves, shipped, data)
+    if all(name in curves for name in ("draft", "draft-parallel")):
+        (WORK / "features.pt").unlink(missing_ok=True)
     plot(curves, shipped)
 
 

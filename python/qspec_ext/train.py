@@ -426,11 +426,11 @@ def parallel_loss(model: Eagle3Drafter, target_ids, features, labels, config: "T
     return total, torch.stack(accuracies)
 
 
-def _target_features(target, sequences, draft_ids, out_dir, keep: bool, progress: bool) -> TargetFeatures:
-    """TargetFeatures of the sequences; ``keep``: stored in out_dir/features.pt, and read from there
-    when they are of the same sequences and draft vocabulary (a resumed run does not compute them again)."""
-    path = Path(out_dir) / "features.pt"
+def _target_features(target, sequences, draft_ids, path: Path | None, progress: bool) -> TargetFeatures:
+    """TargetFeatures of the sequences, kept in ``path`` (None: not kept) and read from there when
+    they are of the same sequences and draft vocabulary (a resumed run does not compute them again)."""
     tokens, starts, trained = TargetFeatures.layout(sequences)
+    keep = path is not None
     if keep and path.is_file():
         state = torch.load(path, weights_only=True)
         if all(torch.equal(state.pop(name), value) for name, value in
@@ -444,9 +444,12 @@ def _target_features(target, sequences, draft_ids, out_dir, keep: bool, progress
     return store
 
 
-def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: str = "cpu", progress: bool = True):
+def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: str = "cpu", progress: bool = True,
+                  features_file: Path | None = None):
     """Trains a drafter for the causal LM in target_dir (a checkpoint ``load_target`` reads) and writes
-    it (speculators format)."""
+    it (speculators format). The target's features are kept in ``features_file`` if given (runs with
+    the same data and draft vocabulary share it; the caller removes it), else in out_dir/features.pt
+    while a checkpointed run is unfinished."""
     check_train_config(config)
     missing = [str(f) for f in data_files if not Path(f).is_file()]
     if missing:
@@ -528,7 +531,8 @@ def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: 
     if config.regenerate:
         batches = regenerated_batches(target, windows, draft_ids, config.batch_size)
     else:
-        store = _target_features(target, sequences, draft_ids, out_dir, config.checkpoint_every is not None, progress)
+        own_file = Path(out_dir) / "features.pt" if config.checkpoint_every is not None else None
+        store = _target_features(target, sequences, draft_ids, features_file or own_file, progress)
         batches = (store.sample(windows.rng, config.batch_size, config.seq_len, device) for _ in iter(int, 1))
     if config.parallel:
         loss_fn = partial(parallel_loss, config=config, cos_sin=cos_sin, generator=nodes)
