@@ -397,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.set_defaults(run=cmd_demo)
     train = commands.add_parser("train-drafter", help="train an EAGLE-3 drafter for a target on local text")
     train.add_argument("--target", required=True, help="transformers causal LM directory with tokenizer.json")
-    train.add_argument("--data", nargs="+", required=True, help="text files to train on")
+    train.add_argument("--data", nargs="+", required=True,
+                       help="text files, or .jsonl files of token ids (\"ids\", optional \"prompt_length\") to train on")
     train.add_argument("--out", required=True)
     train.add_argument("--steps", type=int, default=300)
     train.add_argument("--ttt-steps", type=int, default=3)
@@ -418,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--regenerate", action="store_true",
                        help="train on the target's own greedy continuations of the data (self-distillation)")
     train.add_argument("--bf16", action="store_true",
-                       help="the drafter's forward and backward in bf16 autocast (fp32 weights and optimizer)")
+                       help="the drafter's forward and backward in bf16 autocast (fp32 weights and optimizer); "
+                            "on a CPU without AVX-512 bf16 far slower than fp32")
     train.add_argument("--compile", action="store_true", help="the chain drafter's TTT loss as one compiled graph")
     train.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     train.set_defaults(run=cmd_train_drafter)
