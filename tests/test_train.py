@@ -498,6 +498,49 @@ def test_training_windows_stay_in_one_sequence_and_train_only_its_answer():
     assert seen == {0, 1, 2}
 
 
+def test_ttt_loss_counts_only_weighted_rows(tiny_target, trained):
+    """A batch whose second window weighs nothing has the first window's loss and accuracies alone."""
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(tiny_target / "target").eval()
+    drafter = trained[0]
+    ids = torch.randint(0, hf.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        out = hf(ids, output_hidden_states=True)
+        features = torch.cat([out.hidden_states[i] for i in drafter.config.aux_layer_ids], -1)
+        labels = draft_labels(out.logits, drafter.t2d.nonzero().flatten())
+        cos_sin = rope_cos_sin_cache(32, drafter.config.head_dim, drafter.config.rope_theta)
+        weight = torch.tensor([[1.0] * 16, [0.0] * 16])
+        both = ttt_loss(drafter, ids, features, labels, 2, cos_sin, weight=weight)
+        first = ttt_loss(drafter, ids[:1], features[:1], tuple(t[:1] for t in labels), 2, cos_sin)
+        every = ttt_loss(drafter, ids, features, labels, 2, cos_sin)
+    torch.testing.assert_close(both[0], first[0])
+    torch.testing.assert_close(both[1], first[1])
+    assert not torch.allclose(every[0], first[0])
+
+
+def test_stored_features_are_reused_only_for_the_same_data_and_vocabulary(tiny_target, tmp_path, monkeypatch):
+    import qspec_ext.train
+    from qspec_ext.targets import load_target
+    from qspec_ext.train import _target_features
+
+    target = load_target(tiny_target / "target", dtype=torch.float32)
+    sequences = [([5, 6, 7, 8, 9], 2), ([10, 11, 12], 0)]
+    vocab = torch.arange(0, 120)
+    stored = _target_features(target, sequences, vocab, tmp_path / "f.pt", progress=False)
+    real, calls = TargetFeatures.compute, []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(qspec_ext.train.TargetFeatures, "compute", counted)
+    again = _target_features(target, sequences, vocab, tmp_path / "f.pt", progress=False)
+    assert not calls and torch.equal(again.features, stored.features) and torch.equal(again.trained, stored.trained)
+    _target_features(target, sequences, vocab + 1, tmp_path / "f.pt", progress=False)
+    assert len(calls) == 1, "another draft vocabulary: computed again"
+    _target_features(target, [([5, 6, 7, 8, 9], 2), ([10, 11, 13], 0)], vocab + 1, tmp_path / "f.pt", progress=False)
+    assert len(calls) == 2, "other tokens: computed again"
+
+
 def test_jsonl_token_ids_train_like_the_text_they_encode(tiny_target, tmp_path):
     """Regenerated conversations come as token ids (.jsonl with "ids", a sequence each): the text's
     tokens in the pieces the trainer reads text in (4 x seq_len) train the same drafter."""
