@@ -2,6 +2,7 @@
 (qspec_ext/prompts/heldout.jsonl: coding, math, summarization, chat; disjoint from training).
 
     python benchmarks/bench_smollm2.py acceptance [-k 1 3 5 7] [--per-category 21] [--max-new-tokens 128]
+        [--greedy-only] [--drafters DIR ...]   # e.g. python/qspec_ext/smollm2_pair build/smollm2-new
     python benchmarks/bench_smollm2.py speed [--batch 1 4] [--prompts 8] [--rounds 3] [-k 3 5]
     python benchmarks/bench_smollm2.py memory [--dtypes fp32 bf16] [--batch 1 4] [--prompts 8] [-k 3]
     (all: [--drafting chain parallel] [--json PATH])
@@ -26,12 +27,14 @@ to the third (a leak grows with every step).
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import resource
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -41,7 +44,7 @@ from qspec_ext import SpeculativeDecoder, generate_plain, load_pair
 from qspec_ext.decode import in_batches
 from qspec_ext.models.checkpoint import trim_heap
 from qspec_ext.prompts import CATEGORIES, heldout_prompts
-from qspec_ext.shipped import drafter_dir, target_dir
+from qspec_ext.shipped import SMOLLM2_DIR, drafter_dir, target_dir
 from qspec_ext.text import chat_ids, stop_ids
 
 SAMPLING = dict(temperature=0.6, top_p=0.95, top_k=20)
@@ -56,33 +59,35 @@ def requests(category: str | None, count: int) -> list[list[int]]:
 def acceptance(args) -> list[dict]:
     stops = stop_ids(target_dir("smollm2"))
     rows = []
-    for drafting in args.drafting:
-        target, drafter = load_pair("smollm2", drafter_dir("smollm2", parallel=drafting == "parallel"))
-        for category in CATEGORIES:
-            prompts = requests(category, args.per_category)
-            for mode, sampling in (("greedy", {}), ("sampled", SAMPLING)):
-                for k in args.k:
-                    s = SpeculativeDecoder(target, drafter, k).generate(prompts, args.max_new_tokens,
-                                                                       eos_token_id=stops, **sampling).stats
-                    rows.append(dict(drafting=drafting, category=category, mode=mode, k=k,
-                                     acceptance_length=s.mean_acceptance_length,
-                                     per_position=s.acceptance_rate_per_position, tokens=s.num_generated_tokens))
-                    print(f"{drafting:>8} {category:>13} {mode:>7} k={k}: {s.mean_acceptance_length:.2f} "
-                          f"({' '.join(f'{a:.2f}' for a in s.acceptance_rate_per_position)})", file=sys.stderr)
+    drafters = [(str(d), d) for d in args.drafters] or [("shipped", SMOLLM2_DIR)]
+    modes = [("greedy", {}), ("sampled", SAMPLING)][:1 if args.greedy_only else 2]
+    for name, directory in drafters:
+        for drafting in args.drafting:
+            target, drafter = load_pair("smollm2", directory / ("draft-parallel" if drafting == "parallel" else "draft"))
+            for category in CATEGORIES:
+                prompts = requests(category, args.per_category)
+                for mode, sampling in modes:
+                    for k in args.k:
+                        s = SpeculativeDecoder(target, drafter, k).generate(prompts, args.max_new_tokens,
+                                                                           eos_token_id=stops, **sampling).stats
+                        rows.append(dict(drafters=name, drafting=drafting, category=category, mode=mode, k=k,
+                                         acceptance_length=s.mean_acceptance_length,
+                                         per_position=s.acceptance_rate_per_position, tokens=s.num_generated_tokens))
+                        print(f"{name} {drafting:>8} {category:>13} {mode:>7} k={k}: {s.mean_acceptance_length:.2f} "
+                              f"({' '.join(f'{a:.2f}' for a in s.acceptance_rate_per_position)})", file=sys.stderr)
     print(f"mean acceptance length (tokens per target forward), {args.per_category} prompts per category x "
           f"{args.max_new_tokens} new tokens at most")
-    for drafting in args.drafting:
-        for mode in ("greedy", "sampled"):
-            print(f"{drafting}, {mode}: {'category':>13} " + " ".join(f"{'k=' + str(k):>6}" for k in args.k))
-            for category in (*CATEGORIES, "all"):
-                mine = [r for r in rows if r["drafting"] == drafting and r["mode"] == mode]
-                cells = []
-                for k in args.k:
-                    at_k = [r for r in mine if r["k"] == k and category in ("all", r["category"])]
-                    # all: weighted by the categories' generated tokens (as one run over every prompt)
-                    weight = sum(r["tokens"] / r["acceptance_length"] for r in at_k)
-                    cells.append(sum(r["tokens"] for r in at_k) / weight)
-                print(f"{'':>{len(drafting) + len(mode) + 3}}{category:>13} " + " ".join(f"{c:>6.2f}" for c in cells))
+    for (name, _), drafting, (mode, _) in itertools.product(drafters, args.drafting, modes):
+        print(f"{name} {drafting}, {mode}: {'category':>13} " + " ".join(f"{'k=' + str(k):>6}" for k in args.k))
+        mine = [r for r in rows if (r["drafters"], r["drafting"], r["mode"]) == (name, drafting, mode)]
+        for category in (*CATEGORIES, "all"):
+            cells = []
+            for k in args.k:
+                at_k = [r for r in mine if r["k"] == k and category in ("all", r["category"])]
+                # all: weighted by the categories' generated tokens (as one run over every prompt)
+                weight = sum(r["tokens"] / r["acceptance_length"] for r in at_k)
+                cells.append(sum(r["tokens"] for r in at_k) / weight)
+            print(f"{'':>{len(name) + len(drafting) + len(mode) + 4}}{category:>13} " + " ".join(f"{c:>6.2f}" for c in cells))
     return rows
 
 
@@ -215,6 +220,11 @@ def parse_args():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--dtypes", nargs="+", choices=["fp32", "bf16"], default=["fp32", "bf16"])
+    parser.add_argument("--drafters", type=Path, nargs="+", default=[], metavar="DIR",
+                        help="acceptance: the drafters in these directories (draft/ and draft-parallel/, as "
+                             "scripts/train_smollm2.py --out writes them), one after another in this process; "
+                             "default: the shipped ones")
+    parser.add_argument("--greedy-only", action="store_true", help="acceptance: skip the sampled rows")
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # memory: the measuring process of one dtype
     args = parser.parse_args()

@@ -34,6 +34,7 @@ CHAIN, TREE, LAYERS = f"{PKG}/drafting/chain.py", f"{PKG}/drafting/tree.py", f"{
 SAMPLING, ARGS, OPS, ROPE, HF = (f"{PKG}/sampling.py", f"{PKG}/arguments.py", f"{PKG}/ops.py", f"{PKG}/rope.py",
                                  f"{PKG}/targets/hf.py")
 CLI, LINEAR = f"{PKG}/cli.py", f"{PKG}/models/linear.py"
+CHECKPOINT, NATIVE = f"{PKG}/models/checkpoint.py", f"{PKG}/targets/native.py"
 CPP_SOURCES = ("csrc", "CMakeLists.txt", "setup.py", "pyproject.toml", "README.md")
 
 DEC, DRAFTER, TR = "tests/test_decode.py::", "tests/test_eagle3_drafter.py::", "tests/test_train.py::"
@@ -46,6 +47,7 @@ TREE_LOSSLESS = TREES + "test_greedy_tree_decoding_is_lossless[4-5-4-24]"
 TARGETS, REVIEW = "tests/test_targets.py::", "tests/test_review_survivors.py::"
 STOP_IN_RUN = TARGETS + "test_a_stop_id_inside_an_accepted_run_ends_the_request_there"
 ROPE_SPELLINGS = TARGETS + "test_rope_config_reads_both_spellings_and_keeps_every_field"
+MAPPED_EMBEDDING = TARGETS + "test_a_tied_embedding_stays_in_the_file_and_only_its_used_rows_are_read"
 
 
 @dataclass(frozen=True)
@@ -256,6 +258,14 @@ MUTANTS = [
     Mutant("rope_config_old_scaling_ignored", ROPE,
            'scaling = rope or dict(config.get("rope_scaling") or {}) or None', "scaling = rope or None",
            (ROPE_SPELLINGS,)),
+    Mutant("mapped_embedding_pages_kept_after_packing", CHECKPOINT,
+           "        _advise(self.tensor, 4)  # MADV_DONTNEED", "        pass  # MADV_DONTNEED", (MAPPED_EMBEDDING,)),
+    Mutant("mapped_embedding_page_cache_kept", CHECKPOINT,
+           "os.posix_fadvise(fd, self.offset, nbytes, os.POSIX_FADV_DONTNEED)", "pass", (MAPPED_EMBEDDING,)),
+    Mutant("mapped_embedding_packed_again_at_setup", NATIVE,
+           "        pack_linears(self.lm_head)\n", "", (MAPPED_EMBEDDING,)),
+    Mutant("mapped_embedding_offset_ignores_the_header", CHECKPOINT,
+           "begin, end = (8 + header_size + offset for", "begin, end = (8 + offset for", (MAPPED_EMBEDDING,)),
     # C++ (with --cpp): a CPU-only rebuild of the copy per mutant, minutes each.
     Mutant("cpu_residual_draw_ignores_row_offset", "csrc/cpu/verify.cpp",
            "uniform_01(random_bits(seed, offset + j, kSampleUse)), scratch);",

@@ -336,6 +336,66 @@ def test_llama_target_matches_transformers(tmp_path, tie, scaling):
     assert SpeculativeDecoder(target, make_drafter(arch="llama"), 3).generate(prompts, 16).tokens == reference
 
 
+def resident_bytes_of_mapping(path: Path, tensor: torch.Tensor) -> int | None:
+    """The resident bytes (/proc/self/smaps) of this process's mappings of ``path`` that hold the
+    tensor's bytes (madvise may have split one mapping into several); None: none holds them."""
+    begin = tensor.data_ptr()
+    end = begin + tensor.numel() * tensor.element_size()
+    lines, total = Path("/proc/self/smaps").read_text().splitlines(), None
+    for i, line in enumerate(lines):
+        fields = line.split()
+        if "-" in fields[0] and fields[-1] == str(path):
+            low, high = (int(x, 16) for x in fields[0].split("-"))
+            if low < end and begin < high:
+                rss = next(x for x in lines[i + 1:] if x.startswith("Rss:"))
+                total = (total or 0) + int(rss.split()[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads Linux's /proc/self/smaps")
+def test_a_tied_embedding_stays_in_the_file_and_only_its_used_rows_are_read(tmp_path):
+    hf = make_llama(tie=True)
+    hf.resize_token_embeddings(16384, mean_resizing=False)  # a table of 4 MiB
+    hf.save_pretrained(tmp_path)
+    file = (tmp_path / "model.safetensors").resolve()
+    before = file.read_bytes()
+    target = load_target(tmp_path, aux_layer_ids=AUX)
+    table = target.model.embed_tokens.weight
+    assert table.data_ptr() == target.lm_head.weight.data_ptr()  # tied: one tensor
+    resident = resident_bytes_of_mapping(file, table)
+    assert resident is not None, "the embedding is not the file's pages"
+    assert resident <= 2**20, f"{resident} bytes of the 4 MiB table resident after loading (packing read it all)"
+    target.setup(1, 64)
+    packed = target.lm_head.packed_weight
+    resident = resident_bytes_of_mapping(file, table)
+    assert resident <= 2**20, f"{resident} bytes of the 4 MiB table resident after setup (packed again?)"
+    tokens = torch.tensor([[1, 2, 3, 16000]])
+    logits = target(tokens, torch.arange(4)[None])
+    if packed is not None:  # oneDNN: packed at load, from the file, and not again at setup
+        assert target.lm_head.packed_weight is packed
+    resident = resident_bytes_of_mapping(file, table)
+    assert resident <= 2**18, f"{resident} bytes of the 4 MiB table resident after a forward of 4 tokens"
+    torch.testing.assert_close(table, hf.get_input_embeddings().weight, atol=0, rtol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(logits[0], hf(tokens).logits[0], atol=1e-4, rtol=1e-4)
+        table[1] += 1.0  # a private page: the file never changes
+    assert file.read_bytes() == before
+    assert target.state_dict()["model.embed_tokens.weight"][1].equal(hf.get_input_embeddings().weight[1] + 1.0)
+    # another dtype than the file's: a copy of its own, as every other weight
+    half = load_target(tmp_path, dtype=torch.bfloat16, aux_layer_ids=AUX)
+    assert resident_bytes_of_mapping(file, half.model.embed_tokens.weight) is None
+
+
+@pytest.mark.parametrize("keep", [0.3, 0.9])
+def test_a_truncated_file_with_a_tied_embedding_names_the_file(tmp_path, keep):
+    make_llama(tie=True).save_pretrained(tmp_path)
+    file = tmp_path / "model.safetensors"
+    data = file.read_bytes()
+    file.write_bytes(data[: int(len(data) * keep)])
+    with pytest.raises(CheckpointError, match=r"model.safetensors: .*\(truncated or corrupt file\?\)"):
+        NativeTarget.from_pretrained(tmp_path)
+
+
 def test_native_target_refuses_what_it_does_not_run_and_auto_falls_back(tmp_path):
     config = make_llama(False).config
     config.attention_bias = True

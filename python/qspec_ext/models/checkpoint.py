@@ -4,8 +4,12 @@ with errors that name the file and the key."""
 import ctypes
 import functools
 import json
+import math
+import mmap
 import os
 import re
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -65,12 +69,12 @@ def _weight_files(directory: Path) -> list[Path]:
     raise CheckpointError(f"{directory}: no model.safetensors, pytorch_model.bin or shard index found")
 
 
-def load_tensors(directory: str | Path,
-                 dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
-    """All tensors of a checkpoint directory and the file of each key, as tensors of their own
-    (``dtype``: the floating ones converted). A safetensors file is opened per tensor, so that
-    only one tensor's pages of the file are mapped at a time: peak memory stays the weights
-    loaded plus one tensor, not the file plus the weights."""
+def load_tensors(directory: str | Path, dtype: torch.dtype | None = None,
+                 skip: tuple[str, ...] = ()) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
+    """All tensors of a checkpoint directory (but the keys in ``skip``) and the file of each key,
+    as tensors of their own (``dtype``: the floating ones converted). A safetensors file is opened
+    per tensor, so that only one tensor's pages of the file are mapped at a time: peak memory stays
+    the weights loaded plus one tensor, not the file plus the weights."""
     def copy(value: torch.Tensor) -> torch.Tensor:
         return value.to(dtype if dtype is not None and value.is_floating_point() else value.dtype, copy=True)
 
@@ -85,18 +89,105 @@ def load_tensors(directory: str | Path,
                 with safe_open(str(path), framework="pt") as f:
                     keys = list(f.keys())
                 part = {}
-                for key in keys:
+                for key in (k for k in keys if k not in skip):
                     with safe_open(str(path), framework="pt") as f:
                         part[key] = copy(f.get_tensor(key))
             else:
                 part = {key: copy(value) for key, value in
-                        torch.load(path, map_location="cpu", weights_only=True, mmap=True).items()}
+                        torch.load(path, map_location="cpu", weights_only=True, mmap=True).items() if key not in skip}
         except Exception as e:  # safetensors and torch.load raise several types for a damaged file
             raise CheckpointError(f"{path}: cannot read the weights (truncated or corrupt file?): {e}") from e
         for key, value in part.items():
             tensors[key] = value
             origin[key] = path
     return tensors, origin
+
+
+SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def _file_of(directory: Path, key: str) -> Path | None:
+    """The safetensors file of a key, or None (not one, or a damaged index: load_tensors says what is wrong)."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            name = json.loads(index.read_text())["weight_map"].get(key)
+        except (json.JSONDecodeError, KeyError, AttributeError):
+            return None
+        return directory / name if name else None
+    return directory / "model.safetensors" if (directory / "model.safetensors").is_file() else None
+
+
+@dataclass
+class MappedTensor:
+    """A tensor of a safetensors file, mapped (see :func:`map_tensor`)."""
+    tensor: torch.Tensor
+    path: Path
+    offset: int  # of its first byte in the file
+
+    def release_pages(self) -> None:
+        """Lets the system take back the pages of the tensor that were read (a pass over all of it:
+        packing it) and drops its part of the file from the page cache, so that a row touched later
+        maps its own page, not a large block the cache kept around it. Only before anything writes
+        to the tensor: a written page is private, and would go back to the file's values."""
+        _advise(self.tensor, 4)  # MADV_DONTNEED: a private file mapping's clean pages just go
+        nbytes = self.tensor.numel() * self.tensor.element_size()
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # a file written just now: its dirty pages would stay cached
+            os.posix_fadvise(fd, self.offset, nbytes, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass  # (a file system that refuses either: the rows map as the kernel caches them, no error)
+        finally:
+            os.close(fd)
+
+
+def map_tensor(directory: str | Path, key: str, dtype: torch.dtype | None = None) -> MappedTensor | None:
+    """A tensor of a safetensors checkpoint as a view of the file mapped into memory (copy on
+    write: the file never changes), whose pages are read when first touched and count as the
+    process's memory only while it holds them (what llama.cpp does with all its weights): for a
+    table read a few rows at a time (a token embedding). None where that cannot be: not Linux, a
+    .bin checkpoint, no such key, or a dtype other than ``dtype`` in the file (it would need a copy)."""
+    path = _file_of(Path(directory), key)
+    if not sys.platform.startswith("linux") or path is None or not path.is_file():
+        return None
+    with open(path, "rb") as f:
+        header_size = int.from_bytes(f.read(8), "little")
+        if header_size > path.stat().st_size:
+            return None  # not a safetensors file: load_tensors says so
+        try:
+            entry = json.loads(f.read(header_size)).get(key)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path}: not a safetensors file (its header is not JSON: {e})") from e
+    file_dtype = SAFETENSORS_DTYPES.get(entry["dtype"]) if entry else None
+    if file_dtype is None or (dtype is not None and dtype != file_dtype):
+        return None
+    begin, end = (8 + header_size + offset for offset in entry["data_offsets"])
+    shape, item, size = entry["shape"], file_dtype.itemsize, path.stat().st_size
+    if end - begin != math.prod(shape) * item or begin % item or end > size:
+        raise CheckpointError(f"{path}: tensor {key!r} has data offsets {entry['data_offsets']} that do not fit "
+                              f"its shape {shape} and dtype {entry['dtype']} in a file of {size} bytes "
+                              f"(truncated or corrupt file?)")
+    file = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
+    mapped = file[begin:end].view(file_dtype).view(shape)
+    _advise(mapped, 1)  # MADV_RANDOM: a touched row reads its page, no read-ahead around it
+    return MappedTensor(mapped, path, begin)
+
+
+def _advise(tensor: torch.Tensor, advice: int) -> None:
+    start, page = tensor.data_ptr(), mmap.PAGESIZE
+    first = -(-start // page) * page
+    last = (start + tensor.numel() * tensor.element_size()) // page * page
+    if last > first and _madvise() is not None:
+        _madvise()(first, last - first, advice)
+
+
+@functools.cache
+def _madvise():
+    madvise = getattr(ctypes.CDLL(None), "madvise", None)
+    if madvise is not None:
+        madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return madvise
 
 
 @functools.cache

@@ -13,13 +13,14 @@ from .. import ops, reference
 from ..arguments import check_aux_layer_ids, check_load
 from ..aux import AuxHiddenCapture, default_aux_layer_ids
 from ..rope import rope_config, rope_cos_sin_cache
-from ..models.checkpoint import (CheckpointError, check_tensors, load_tensors, read_config, resolve_checkpoint,
-                                 trim_heap)
+from ..models.checkpoint import (CheckpointError, check_tensors, load_tensors, map_tensor, read_config,
+                                 resolve_checkpoint, trim_heap)
 from ..models.layers import (MLP, Attention, RMSNormWeight, TreeAttention, join_checkpoint_parts, keep_path,
                              static_caches)
 from ..models.linear import Linear, pack_linears
 from .base import Capabilities
 
+EMBEDDING = "model.embed_tokens.weight"
 # model_type -> (per-head q/k norm, the RoPE theta a config without one means)
 NATIVE_MODEL_TYPES = {"qwen3": (True, 1_000_000.0), "llama": (False, 10_000.0)}
 
@@ -145,10 +146,13 @@ class NativeTarget(nn.Module):
         check_load("NativeTarget.from_pretrained", path, dtype, device)
         directory = resolve_checkpoint(path)
         config = NativeConfig.from_hf(read_config(directory), str(directory / "config.json"))
-        tensors, origin = load_tensors(directory, dtype)
         with torch.device("meta"):
             model = cls(config, aux_layer_ids, use_custom_ops)
         expected = model.state_dict()
+        mapped = model._map_tied_embedding(directory, dtype, device, expected)
+        tensors, origin = load_tensors(directory, dtype, skip=(EMBEDDING,) if mapped is not None else ())
+        if mapped is not None:
+            tensors[EMBEDDING] = mapped
         if config.tie_word_embeddings:
             tensors.pop("lm_head.weight", None)
             tensors["lm_head.weight"] = tensors.get("model.embed_tokens.weight")
@@ -161,6 +165,22 @@ class NativeTarget(nn.Module):
         del tensors
         trim_heap()
         return model.eval()
+
+    def _map_tied_embedding(self, directory: Path, dtype, device, expected: dict) -> torch.Tensor | None:
+        """A tied embedding stays in the checkpoint file, mapped (:func:`map_tensor`: a decode step
+        reads only its tokens' rows), where it is on the CPU in the file's dtype; its lm_head's
+        packed copy is made now, before the other weights load (the peak stays the final size),
+        and the pages that read go back. Elsewhere None: loaded as the other weights."""
+        if not self.config.tie_word_embeddings or torch.device(device or "cpu").type != "cpu":
+            return None
+        mapped = map_tensor(directory, EMBEDDING, dtype)
+        if mapped is None:
+            return None
+        check_tensors(directory, {EMBEDDING: mapped.tensor}, {}, {EMBEDDING: expected[EMBEDDING]})
+        self.lm_head.weight = nn.Parameter(mapped.tensor, requires_grad=False)
+        pack_linears(self.lm_head)
+        mapped.release_pages()
+        return mapped.tensor
 
     def setup(self, batch_size: int, max_length: int) -> None:
         """Preallocates the per-request KV cache ``[B * max_length, Hkv, D]`` per layer and packs the
