@@ -3,7 +3,7 @@
 and a P-EAGLE drafter, both with an 8192-token draft vocabulary from the data's token counts,
 stored in bf16 (both drafters together within ~40 MB: the embeddings are the target's).
 
-    python scripts/train_smollm2.py [--steps 400] [--parallel-steps 400] [--only chain|parallel]
+    python scripts/train_smollm2.py [--steps 600] [--parallel-steps 400] [--only chain|parallel]
     python scripts/train_smollm2.py --smoke DIR      # 2 steps per part, on 16 records, into DIR: does it run
 
 First the target (the native one, fp32) reads every record once (its aux features and top-32
@@ -83,7 +83,7 @@ def plot(curves: dict, shipped: Path) -> None:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=400, help="chain drafter steps")
+    parser.add_argument("--steps", type=int, default=600, help="chain drafter steps")
     parser.add_argument("--parallel-steps", type=int, default=400, help="P-EAGLE drafter steps")
     parser.add_argument("--only", choices=["chain", "parallel"])
     parser.add_argument("--out", type=Path, default=SMOLLM2_DIR,
