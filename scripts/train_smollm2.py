@@ -12,11 +12,11 @@ parts); then each part trains the drafter alone on windows inside one record, it
 answer tokens. Reproducible (fixed seeds) and resumable: each part checkpoints every 10 steps
 under build/smollm2-train/ (not committed: about 110 MB per part) and a rerun on the same machine
 continues where the last one stopped; a finished part is not trained again. fp32 throughout: on a
-CPU without AVX-512 bf16 autocast ran a chain step 35x slower (71 s against 2.1 s). Measured on
-an AVX2-only 2-core machine (2026-12-03): the target reads about 190 tokens/s (488k tokens: about
-43 minutes), a chain step (TTT over 7 steps, batch 4 x 256, compiled) about 4.1 s: the whole run
-about 100 minutes of an idle machine. Writes --out (default python/qspec_ext/smollm2_pair/):
-{draft,draft-parallel} and loss_curves.json / .png (loss and accuracy per step, seconds per part).
+CPU without AVX-512 bf16 autocast ran a chain step 35x slower (71 s against 2.1 s). The shipped
+drafters' run (an AVX2-only 2-core machine, 2026-12-03): the target's pass about 40 minutes (2152
+records, 488k tokens), 600 chain steps (TTT over 7 steps, batch 4 x 256, compiled) at 3.0-3.4 s
+about 34 minutes, 400 P-EAGLE steps about 16 minutes: about 92 minutes in all. Writes --out
+(default python/qspec_ext/smollm2_pair/): {draft,draft-parallel} and loss_curves.json / .png (loss and accuracy per step, seconds per part).
 """
 
 import argparse
