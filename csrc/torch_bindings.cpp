@@ -61,4 +61,7 @@ TORCH_LIBRARY(qspec_ext, m) {
   m.def(
       "cached_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor positions, float scale, int window=0, "
       "Tensor? tree_start=None, Tensor? tree_seen=None) -> Tensor");
+
+  // input [M, K] @ W^T for W [N, K] packed by mkldnn::_reorder_linear_weight (CPU: oneDNN's blocked layout).
+  m.def("packed_linear(Tensor input, Tensor packed_weight) -> Tensor");
 }

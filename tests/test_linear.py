@@ -3,7 +3,9 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._inductor.utils import run_and_get_code
 
+from qspec_ext import ops, reference
 from qspec_ext.models.linear import Linear, onednn_available, pack_linears, packable_dtypes
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
@@ -77,17 +79,48 @@ def test_fp16_and_other_dtypes_are_not_packed():
     assert layer.packed_weight is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16_packing)])
+@pytest.mark.parametrize("rows", [1, 4, 17])
+def test_packed_linear_op_equals_the_reference(dtype, rows):
+    torch.manual_seed(rows)
+    weight = torch.randn(80, 48).to(dtype)
+    x = torch.randn(rows, 96).to(dtype)[:, ::2]  # strided rows, as a reshaped activation may be
+    got = ops.packed_linear(x, torch.ops.mkldnn._reorder_linear_weight(weight, 1))
+    assert got.shape == (rows, 80) and got.dtype == dtype
+    torch.testing.assert_close(got.float(), reference.packed_linear(x, weight).float(), **TOLERANCE[dtype])
+
+
+@needs_bf16_packing
+def test_packed_linear_opcheck():
+    # (An fp32 weight packs into an opaque oneDNN tensor, whose storage opcheck cannot read; a packed
+    # bf16 weight is a strided tensor.)
+    weight = torch.randn(32, 64).to(torch.bfloat16)
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    torch.library.opcheck(torch.ops.qspec_ext.packed_linear.default,
+                          (x, torch.ops.mkldnn._reorder_linear_weight(weight, 1)))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda x, p: (x[None], p), "'input' must be 2-D"),
+    (lambda x, p: (x[:, :63], p), "'input' must have 64 columns"),
+    (lambda x, p: (x.double(), p), "'input' must have the packed weight's dtype"),
+])
+def test_packed_linear_rejects_bad_input(bad, match):
+    packed_weight = torch.ops.mkldnn._reorder_linear_weight(torch.randn(32, 64), 1)
+    with pytest.raises(RuntimeError, match=f"qspec_ext.packed_linear: argument {match}"):
+        ops.packed_linear(*bad(torch.randn(3, 64), packed_weight))
+
+
 def test_the_op_compiles_into_a_static_graph():
-    # (torch.library.opcheck cannot run this op: it reads tensor storages, and a packed weight is an
-    # opaque oneDNN tensor; compiling runs the fake kernel on it.)
     dtype = torch.bfloat16 if BF16_PACKED else torch.float32
     layer = packed(64, 48, dtype)
     x = torch.randn(2, 3, 64).to(dtype)
     with torch.no_grad():
         eager = layer(x)
-        compiled = torch.compile(layer, fullgraph=True, dynamic=False)(x)
+        compiled, code = run_and_get_code(torch.compile(layer, fullgraph=True, dynamic=False), x)
     assert compiled.shape == (2, 3, 48)
     torch.testing.assert_close(compiled, eager)
+    assert "torch.ops.qspec_ext.packed_linear" in "".join(code)  # the packed path, compiled (no F.linear)
 
 
 def test_released_weights_live_only_in_the_packed_copy_and_come_back_exactly():

@@ -4,7 +4,8 @@ On CPU, inference runs on a copy of each weight pre-packed into oneDNN's blocked
 vLLM's CPU backend and Inductor's freezing pass do): a decode step of a weight-bound model then
 streams its weights at the memory's speed, where MKL's plain fp32 / bf16 GEMMs at 1-8 rows do not
 (SmolLM2-135M's 576 x 49152 lm_head, one row: 11 ms fp32 and 6 ms bf16 unpacked, 5 ms and 3 ms
-packed; see benchmarks/HISTORY.md). ``pack_linears(model)`` packs at ``setup``; autograd, autocast,
+packed; see benchmarks/HISTORY.md). ``pack_linears(model)`` packs at ``setup``, and the op
+``qspec_ext.ops.packed_linear`` (C++, eager and compiled alike) runs them; autograd, autocast,
 CUDA and fp16 run ``F.linear`` on the weight itself, which stays the one source of truth (a weight
 changed after packing is noticed and used unpacked until the next ``setup`` packs it again).
 
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import ops
 from .checkpoint import trim_heap
 
 
@@ -34,24 +36,6 @@ def packable_dtypes() -> tuple[torch.dtype, ...]:
     if not onednn_available():
         return ()
     return (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
-
-
-def packed_matmul(input: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:
-    """``input [M, K] @ W^T -> [M, N]`` for ``packed_weight`` = ``torch.ops.mkldnn._reorder_linear_weight(W [N, K])``."""
-    return torch.ops.mkldnn._linear_pointwise(input, packed_weight, None, "none", [], "")
-
-
-# The same as an op of our own, for compiled graphs: Inductor lowers mkldnn._linear_pointwise only for
-# weights that are graph constants (its freezing pass), and a compiled decode step takes the weights as
-# inputs. Eager calls skip it: a Python custom op costs about 15 us a call.
-@torch.library.custom_op("qspec_ext::onednn_linear", mutates_args=())
-def onednn_linear(input: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:
-    return packed_matmul(input, packed_weight)
-
-
-@onednn_linear.register_fake
-def _onednn_linear_fake(input, packed_weight):
-    return input.new_empty(input.shape[0], packed_weight.shape[0])
 
 
 def weight_key(weight: torch.Tensor) -> tuple:
@@ -76,8 +60,7 @@ class Linear(nn.Linear):
         if (packed is not None and x.device.type == "cpu" and x.dtype == packed.dtype and self.bias is None
                 and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
                 and (compiling or self.weight.is_meta or self.packed_from == weight_key(self.weight))):
-            rows = x.reshape(-1, x.shape[-1]).contiguous()
-            out = (onednn_linear if compiling else packed_matmul)(rows, packed)
+            out = ops.packed_linear(x.reshape(-1, x.shape[-1]), packed)
             return out.view(*x.shape[:-1], packed.shape[0])
         return F.linear(x, packed.to_dense() if self.released else self.weight, self.bias)
 
