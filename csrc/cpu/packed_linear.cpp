@@ -32,7 +32,7 @@ at::Tensor packed_linear_cpu(const at::Tensor& input, const at::Tensor& packed_w
                                std::optional<std::string_view>);
   static const auto linear =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "").typed<Signature>();
-  return linear.call(input.contiguous(), packed_weight, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(),
+  return linear.call(input, packed_weight, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(),
                      std::string_view(""));
 }
 
