@@ -18,6 +18,7 @@ loss compiled. On the 2-core CPU of the dev machine this took 97 minutes (see th
 import argparse
 import json
 import math
+import random
 import time
 from pathlib import Path
 
@@ -60,7 +61,7 @@ def train_target(tokenizer, files, out_dir: Path, steps: int, curves: dict):
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.05)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / 100) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(s / steps, 1.0)))))
-    data = Windows(stream, 513, 8, seed=0)
+    data = Windows(stream, 513, 8, random.Random(0))
     curve = curves["target"] = {"step": [], "train_loss": [], "eval_step": [], "heldout_nats_per_token": []}
     compiled = torch.compile(model)  # the training forward and backward; the evaluation runs eager, fp32
     bar = tqdm(range(steps), desc="train-target", mininterval=30)

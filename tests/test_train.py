@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import random
 
 import pytest
 import torch
@@ -288,7 +289,7 @@ def test_regenerated_training_data_is_the_targets_greedy_continuation(tiny_targe
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_target / "target").eval()
     target = load_target(tiny_target / "target", dtype=torch.float32)
     draft_ids = torch.arange(0, hf.config.vocab_size, 3)
-    windows = Windows(list(range(1, 200)), 16, 2, seed=0)
+    windows = Windows(list(range(1, 200)), 16, 2, random.Random(0))
     served = [next(data) for data in [regenerated_batches(target, windows, draft_ids, 2, pool=2)] for _ in range(4)]
     pool = torch.cat([batch[0] for batch in served[:2]])
     assert sorted(map(tuple, pool.tolist())) == sorted(map(tuple, torch.cat([b[0] for b in served[2:]]).tolist())), \

@@ -118,12 +118,12 @@ def token_sequences(tokenizer, files: list[Path], chunk: int) -> list[tuple[list
 
 
 class Windows:
-    """Endless random windows of seq_len tokens, batch_size at a time; its state (the RNG) is
-    part of a checkpoint, so a resumed run reads the windows an uninterrupted one would."""
+    """Endless random windows of seq_len tokens, batch_size at a time, drawn with ``rng`` (whose state
+    a checkpoint keeps, so a resumed run reads the windows an uninterrupted one would)."""
 
-    def __init__(self, stream: list[int], seq_len: int, batch_size: int, seed: int):
+    def __init__(self, stream: list[int], seq_len: int, batch_size: int, rng: random.Random):
         self.data, self.seq_len, self.batch_size = torch.tensor(stream, dtype=torch.long), seq_len, batch_size
-        self.rng = random.Random(seed)
+        self.rng = rng
 
     def __iter__(self):
         return self
@@ -511,7 +511,7 @@ def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: 
         optimizer, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s / config.steps, 1.0))))
     cos_sin = rope_cos_sin_cache(config.seq_len + max(config.ttt_steps, config.parallel_depth) + 1, dconfig.head_dim,
                                  dconfig.rope_theta, device=device, scaling=dconfig.rope_scaling)
-    windows = Windows(stream, config.seq_len, config.batch_size, config.seed)
+    rng = random.Random(config.seed)  # the windows' draws
     nodes = torch.Generator().manual_seed(config.seed)
     history, seconds_before = [], 0.0
     checkpoint = Path(out_dir) / "checkpoint.pt"
@@ -523,17 +523,18 @@ def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: 
         drafter.load_state_dict(state["drafter"])
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
-        windows.rng.setstate(state["windows"])
+        rng.setstate(state["windows"])
         nodes.set_state(state["nodes"])
         torch.set_rng_state(state["torch"])
         history = state["history"]
         seconds_before = state["seconds"]
     if config.regenerate:
+        windows = Windows(stream, config.seq_len, config.batch_size, rng)
         batches = regenerated_batches(target, windows, draft_ids, config.batch_size)
     else:
         own_file = Path(out_dir) / "features.pt" if config.checkpoint_every is not None else None
         store = _target_features(target, sequences, draft_ids, features_file or own_file, progress)
-        batches = (store.sample(windows.rng, config.batch_size, config.seq_len, device) for _ in iter(int, 1))
+        batches = (store.sample(rng, config.batch_size, config.seq_len, device) for _ in iter(int, 1))
     if config.parallel:
         loss_fn = partial(parallel_loss, config=config, cos_sin=cos_sin, generator=nodes)
     else:
@@ -560,7 +561,7 @@ def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: 
             Path(out_dir).mkdir(parents=True, exist_ok=True)
             partial_file = checkpoint.with_suffix(".tmp")
             torch.save(dict(config=config, drafter=drafter.state_dict(), optimizer=optimizer.state_dict(),
-                            schedule=schedule.state_dict(), windows=windows.rng.getstate(), nodes=nodes.get_state(),
+                            schedule=schedule.state_dict(), windows=rng.getstate(), nodes=nodes.get_state(),
                             torch=torch.get_rng_state(), history=history,
                             seconds=seconds_before + time.perf_counter() - started), partial_file)
             partial_file.replace(checkpoint)  # a kill mid-write leaves the previous checkpoint
