@@ -38,8 +38,8 @@ at::Tensor packed_linear_cpu(const at::Tensor& input, const at::Tensor& packed_w
 
 }  // namespace
 
-// An fp32 weight packs into an opaque oneDNN tensor (dispatch key MkldnnCPU), a bf16 one into a strided
-// CPU tensor: the same kernel for both.
+// A packed weight is an opaque oneDNN tensor (dispatch key MkldnnCPU); oneDNN's op also takes a weight as
+// stored (CPU): the same kernel for both.
 TORCH_LIBRARY_IMPL(qspec_ext, CPU, m) { m.impl("packed_linear", &packed_linear_cpu); }
 TORCH_LIBRARY_IMPL(qspec_ext, MkldnnCPU, m) { m.impl("packed_linear", &packed_linear_cpu); }
 
