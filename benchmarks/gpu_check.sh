@@ -8,7 +8,7 @@
 # after each step, so a run cut short still leaves the verdicts of the steps it finished.
 #   build             build and install qspec_ext offline for this GPU's arch only
 #   ptxas             registers, stack, shared memory and spills per kernel (ptxas.txt); fails on a spill store
-#   build_info        the CUDA kernels are in and a GPU is visible
+#   build_info        the CUDA kernels are in, a GPU is visible, an error message formats
 #   tests             the CUDA cases of the test suite (CI runs the rest)
 #   sanitizer_*       compute-sanitizer memcheck over the CUDA kernel tests; racecheck,
 #                     synccheck and initcheck over one small shape per kernel
@@ -199,7 +199,19 @@ sanitize=(compute-sanitizer --error-exitcode 1 --tool)
 nvidia-smi >"$out/nvidia-smi.txt" 2>&1 || true
 run_step build 240 "${build[@]}" install "${pip_flags[@]}" .
 run_step ptxas 30 "$py" -c "$ptxas_py" "$out/build.log" "$out/ptxas.txt"
-run_step build_info 60 "$py" -c "import json, qspec_ext; i = qspec_ext.build_info(); print(json.dumps(i)); assert i['cuda_kernels'] and i['cuda_available'], i"
+# ... and an error message that formats numbers does not crash the process (a C++ runtime linked
+# into _C statically did: CMakeLists.txt links torch's libstdc++).
+run_step build_info 60 "$py" -c "
+import json, torch, qspec_ext
+i = qspec_ext.build_info(); print(json.dumps(i)); assert i['cuda_kernels'] and i['cuda_available'], i
+for device in ('cpu', 'cuda'):
+    try:
+        qspec_ext.rms_norm(torch.zeros(2, 8, device=device), torch.ones(4, device=device))
+    except RuntimeError as e:
+        assert 'must have shape [8], got [4]' in str(e), e
+    else:
+        raise SystemExit('rms_norm took a weight of the wrong shape')
+print('error messages: ok')"
 # CPU-only tests are CI's job (every run); here the CUDA cases (device-parametrized ids hold "cuda").
 run_step tests 180 "${pytest[@]}" tests -k "cuda and not test_compiled"
 run_step sanitizer_memcheck 120 "${sanitize[@]}" memcheck \

@@ -171,12 +171,15 @@ def test_bad_input_names_the_argument(change, message):
 
 
 def test_the_result_does_not_depend_on_the_cache_allocated(device):
-    """The same context in a 64-slot and a 4096-slot cache gives the same output, bit for bit on
-    one split (the kernel only walks the used slots)."""
+    """The same context in a 64-slot and a 4096-slot cache gives the same output: bit for bit on
+    the CPU (one split: the kernel only walks the used slots); on CUDA the number of key splits
+    follows the cache allocated (no host sync), so the sums are added in another order."""
     small = attention_inputs(2, 3, 8, 2, 64, 64, torch.float32, device, contexts=[40, 64])
     large = dict(small)
     for name in ("k_cache", "v_cache"):
         grown = torch.randn(2, 4096, 2, 64, device=device)
         grown[:, :64] = small[name].view(2, 64, 2, 64)
         large[name] = grown.view(2 * 4096, 2, 64)
-    assert torch.equal(ops.cached_attention(**small), ops.cached_attention(**large))
+    tolerance = 0 if device == "cpu" else 1e-5
+    torch.testing.assert_close(ops.cached_attention(**large), ops.cached_attention(**small), rtol=tolerance,
+                               atol=tolerance)

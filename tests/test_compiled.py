@@ -83,6 +83,30 @@ def test_drafting_strategies_keep_no_tensor_between_steps(pair, topk, parallel):
     assert not [name for name, value in vars(decoder.drafting).items() if isinstance(value, torch.Tensor)]
 
 
+def test_cuda_graph_results_are_copied_out_of_the_graph_memory():
+    """With CUDA graphs a replay overwrites the tensors the last one returned: the compiled call
+    hands out copies of its results and of what it set on the models (the drafter's state), and
+    leaves the models' other attributes as they were. Without CUDA graphs it is the function itself."""
+    from qspec_ext.compiled import _owning_results
+    from qspec_ext.models.eagle3 import DraftState
+
+    graph_memory = torch.arange(6.0)
+    model = torch.nn.Module()
+    model.state, model.kept = None, graph_memory[:1]
+
+    def step(x):
+        model.state = DraftState(graph_memory[:2], graph_memory[2:4], graph_memory[4:].long())
+        return graph_memory * 1 if x else graph_memory, [graph_memory[:3]]
+
+    assert _owning_results(step, None, [model]) is step
+    out, (part,) = _owning_results(step, "reduce-overhead", [model])(False)
+    state = model.state
+    results = [out, part, state.logits, state.hidden]
+    assert all(t.untyped_storage().data_ptr() != graph_memory.untyped_storage().data_ptr() for t in results)
+    assert torch.equal(out, graph_memory) and torch.equal(state.hidden, graph_memory[2:4])
+    assert model.kept.untyped_storage().data_ptr() == graph_memory.untyped_storage().data_ptr()
+
+
 def test_compiled_plain_decoding_equals_eager(pair):
     target, _, _ = pair
     compiled = generate_plain(target, PROMPTS, 20, compile=True)

@@ -110,7 +110,9 @@ def load(static, seed: int, make) -> None:
 def assert_equal(got, expected, what: str) -> None:
     assert len(got) == len(expected)
     for i, (a, b) in enumerate(zip(got, expected)):
-        assert torch.equal(a, b), f"{what}: tensor {i} of the results and arguments differs from eager"
+        # The tree cases' logits hold NaN rows on purpose: NaN equals NaN here.
+        assert a.shape == b.shape and a.dtype == b.dtype and bool(((a == b) | (a.isnan() & b.isnan())).all()), \
+            f"{what}: tensor {i} of the results and arguments differs from eager"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -13,6 +13,7 @@ another prompt in the same bucket reuses the graphs instead of recompiling.
 """
 
 import contextlib
+import dataclasses
 import functools
 import weakref
 
@@ -43,12 +44,53 @@ def compiled_method(model: torch.nn.Module, name: str):
     if (name, mode) not in methods:
         # The class's function, not the bound method: the cache holds no reference to the model.
         methods[name, mode] = torch.compile(getattr(type(model), name), fullgraph=True, dynamic=False, mode=mode)
-    return functools.partial(methods[name, mode], model)
+    return _owning_results(functools.partial(methods[name, mode], model), mode, [model])
 
 
-def compiled_step(step, device: torch.device):
-    """``step`` (a function of device tensors, no host synchronization) as one graph per shape."""
-    return torch.compile(step, fullgraph=True, dynamic=False, mode=_mode(device))
+def compiled_step(step, device: torch.device, models):
+    """``step`` (a function of device tensors, no host synchronization) as one graph per shape;
+    ``models``: those whose attributes it sets (the drafter's state)."""
+    mode = _mode(device)
+    return _owning_results(torch.compile(step, fullgraph=True, dynamic=False, mode=mode), mode, models)
+
+
+def _owning_results(fn, mode: str | None, models):
+    """fn, whose results and whatever it sets on ``models`` stay valid after the next compiled call.
+
+    CUDA graphs (reduce-overhead) replay into memory they own: a replay overwrites the tensors
+    the last one returned. Decoding keeps them across calls (the drafter's state, the tokens),
+    so on CUDA each call starts a new graph step and its tensors are copied out of the graph's
+    memory (as torch.compiler.cudagraph_mark_step_begin asks); on CPU fn is returned as is."""
+    if mode != "reduce-overhead":
+        return fn
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        torch.compiler.cudagraph_mark_step_begin()
+        before = [dict(vars(model)) for model in models]
+        result = fn(*args, **kwargs)
+        for model, attributes in zip(models, before):
+            for name, value in list(vars(model).items()):
+                if attributes.get(name) is not value:
+                    setattr(model, name, _copied(value))
+        return _copied(result)
+
+    return call
+
+
+def _copied(value):
+    """value with every tensor in it copied (through tuples, lists, dicts and dataclasses)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, (tuple, list)):
+        copies = [_copied(v) for v in value]
+        return type(value)(*copies) if hasattr(value, "_fields") else type(value)(copies)
+    if isinstance(value, dict):
+        return {k: _copied(v) for k, v in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{f.name: _copied(getattr(value, f.name))
+                                             for f in dataclasses.fields(value) if f.init})
+    return value
 
 
 def compiling(enabled: bool):

@@ -263,7 +263,7 @@ class SpeculativeDecoder:
         self.step, self.target_forward, self.drafter_prefill = self._step, target, drafter.prefill
         if compile:
             check_compilable("SpeculativeDecoder", target)
-            self.step = compiled_step(self._step, drafter.device)
+            self.step = compiled_step(self._step, drafter.device, [target, drafter])
             self.target_forward = compiled_method(target, "forward")
             self.drafter_prefill = compiled_method(drafter, "prefill")
 
