@@ -86,7 +86,9 @@ def test_drafting_strategies_keep_no_tensor_between_steps(pair, topk, parallel):
 def test_cuda_graph_results_are_copied_out_of_the_graph_memory():
     """With CUDA graphs a replay overwrites the tensors the last one returned: the compiled call
     hands out copies of its results and of what it set on the models (the drafter's state), and
-    leaves the models' other attributes as they were. Without CUDA graphs it is the function itself."""
+    leaves the models' other attributes as they were. A later call's state goes into the same
+    tensors (a graph reading them sees them at the same address). Without CUDA graphs it is the
+    function itself."""
     from qspec_ext.compiled import _owning_results
     from qspec_ext.models.eagle3 import DraftState
 
@@ -94,17 +96,26 @@ def test_cuda_graph_results_are_copied_out_of_the_graph_memory():
     model = torch.nn.Module()
     model.state, model.kept = None, graph_memory[:1]
 
-    def step(x):
-        model.state = DraftState(graph_memory[:2], graph_memory[2:4], graph_memory[4:].long())
-        return graph_memory * 1 if x else graph_memory, [graph_memory[:3]]
+    def step(batch):
+        rows = graph_memory[: 2 * batch].view(batch, 2)
+        model.state = DraftState(rows, rows * 2, rows[:, 0].long())
+        return graph_memory * 1, [graph_memory[:3]]
 
     assert _owning_results(step, None, [model]) is step
-    out, (part,) = _owning_results(step, "reduce-overhead", [model])(False)
+    compiled = _owning_results(step, "reduce-overhead", [model])
+    out, (part,) = compiled(1)
     state = model.state
-    results = [out, part, state.logits, state.hidden]
+    results = [out, part, state.logits, state.hidden, state.next_position]
     assert all(t.untyped_storage().data_ptr() != graph_memory.untyped_storage().data_ptr() for t in results)
-    assert torch.equal(out, graph_memory) and torch.equal(state.hidden, graph_memory[2:4])
+    assert torch.equal(out, graph_memory) and torch.equal(state.hidden, graph_memory[None, :2] * 2)
     assert model.kept.untyped_storage().data_ptr() == graph_memory.untyped_storage().data_ptr()
+
+    graph_memory += 10
+    compiled(1)
+    assert model.state is state and torch.equal(state.logits, graph_memory[None, :2])  # new values, same tensors
+    compiled(2)  # another layout: new tensors
+    assert model.state is not state and model.state.logits.shape == (2, 2)
+    assert torch.equal(model.state.logits, graph_memory[:4].view(2, 2))
 
 
 def test_compiled_plain_decoding_equals_eager(pair):

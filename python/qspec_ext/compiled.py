@@ -60,7 +60,10 @@ def _owning_results(fn, mode: str | None, models):
     CUDA graphs (reduce-overhead) replay into memory they own: a replay overwrites the tensors
     the last one returned. Decoding keeps them across calls (the drafter's state, the tokens),
     so on CUDA each call starts a new graph step and its tensors are copied out of the graph's
-    memory (as torch.compiler.cudagraph_mark_step_begin asks); on CPU fn is returned as is."""
+    memory (as torch.compiler.cudagraph_mark_step_begin asks); on CPU fn is returned as is.
+    An attribute's copy goes into the tensors the last call left there when they have its layout:
+    a model's tensor attributes are static inputs of the graphs that read them (the drafter's state,
+    of the step), and a static input at a new address makes CUDA graphs record the graph again."""
     if mode != "reduce-overhead":
         return fn
 
@@ -70,12 +73,23 @@ def _owning_results(fn, mode: str | None, models):
         before = [dict(vars(model)) for model in models]
         result = fn(*args, **kwargs)
         for model, attributes in zip(models, before):
+            kept = _KEPT.setdefault(model, {})
             for name, value in list(vars(model).items()):
-                if attributes.get(name) is not value:
-                    setattr(model, name, _copied(value))
+                if attributes.get(name) is value or value is None:
+                    continue
+                pairs = _same_layout_pairs(kept[name], value) if name in kept else None
+                if pairs is None:
+                    kept[name] = _copied(value)
+                for destination, source in pairs or []:
+                    destination.copy_(source)
+                setattr(model, name, kept[name])
         return _copied(result)
 
     return call
+
+
+# model -> {attribute: the value compiled calls last set there, in memory of ours}; weakly keyed.
+_KEPT: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
 def _copied(value):
@@ -91,6 +105,26 @@ def _copied(value):
         return dataclasses.replace(value, **{f.name: _copied(getattr(value, f.name))
                                              for f in dataclasses.fields(value) if f.init})
     return value
+
+
+def _same_layout_pairs(old, new):
+    """(tensor of old, tensor of new) in order when the two values have one layout (structure,
+    tensor shapes, dtypes and devices, the other values equal); None when they differ."""
+    if isinstance(old, torch.Tensor) or isinstance(new, torch.Tensor):
+        same = (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) and old.shape == new.shape
+                and old.dtype == new.dtype and old.device == new.device)
+        return [(old, new)] if same else None
+    if type(old) is not type(new):
+        return None
+    if isinstance(new, (tuple, list)):
+        parts = [_same_layout_pairs(a, b) for a, b in zip(old, new)] if len(old) == len(new) else [None]
+    elif isinstance(new, dict):
+        parts = [_same_layout_pairs(old[k], new[k]) for k in new] if old.keys() == new.keys() else [None]
+    elif dataclasses.is_dataclass(new):
+        parts = [_same_layout_pairs(getattr(old, f.name), getattr(new, f.name)) for f in dataclasses.fields(new)]
+    else:
+        return [] if old is new or old == new else None
+    return None if any(p is None for p in parts) else [pair for p in parts for pair in p]
 
 
 def compiling(enabled: bool):
