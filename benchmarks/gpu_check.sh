@@ -241,9 +241,9 @@ for name in bench_norm_rope bench_aux_gather bench_verify bench_attention; do
 done
 # bf16: a mismatch with plain decoding is reported, not a failure (the verify forward rounds differently).
 # Eager vs compiled (CUDA graphs) decoding, and the drafter step / verify forward split.
-# perf_hints logs why a graph does not replay as a CUDA graph ("skipping cudagraphs due to ..."):
-# on the first GPU run the compiled speculative step ran about as fast as eager.
-run_step decode 180 env TORCH_LOGS=perf_hints "$py" benchmarks/bench_decode.py --device cuda --dtype bf16 --modes eager compiled --repeat 1 \
+# +cudagraphs logs each CUDA-graph recording and why a graph records again ("static input data
+# pointer changed"): on the first GPU run the compiled speculative step ran about as fast as eager.
+run_step decode 180 env TORCH_LOGS=+cudagraphs "$py" benchmarks/bench_decode.py --device cuda --dtype bf16 --modes eager compiled --repeat 1 \
   --json "$out/decode.json"
 sed -n '1,/^## /p' "$out/report.md" | sed '$d'
 exit $status

@@ -13,6 +13,7 @@ another prompt in the same bucket reuses the graphs instead of recompiling.
 """
 
 import contextlib
+import copy as copy_module
 import dataclasses
 import functools
 import weakref
@@ -55,12 +56,16 @@ def compiled_step(step, device: torch.device, models):
 
 
 def _owning_results(fn, mode: str | None, models):
-    """fn, whose results and whatever it sets on ``models`` stay valid after the next compiled call.
+    """fn, whose results and the attributes it rebinds on ``models`` stay valid after the next
+    compiled call.
 
     CUDA graphs (reduce-overhead) replay into memory they own: a replay overwrites the tensors
     the last one returned. Decoding keeps them across calls (the drafter's state, the tokens),
     so on CUDA each call starts a new graph step and its tensors are copied out of the graph's
     memory (as torch.compiler.cudagraph_mark_step_begin asks); on CPU fn is returned as is.
+    Only results and rebound top-level attributes are copied: tensors a call leaves inside an
+    object it keeps (the target's ``capture``) are valid until the next compiled call only, and
+    decoding reads them before it.
     An attribute's copy goes into the tensors the last call left there when they have its layout:
     a model's tensor attributes are static inputs of the graphs that read them (the drafter's state,
     of the step), and a static input at a new address makes CUDA graphs record the graph again."""
@@ -102,8 +107,10 @@ def _copied(value):
     if isinstance(value, dict):
         return {k: _copied(v) for k, v in value.items()}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.replace(value, **{f.name: _copied(getattr(value, f.name))
-                                             for f in dataclasses.fields(value) if f.init})
+        copy = copy_module.copy(value)  # no __init__ / __post_init__ run again
+        for field in dataclasses.fields(value):
+            object.__setattr__(copy, field.name, _copied(getattr(value, field.name)))
+        return copy
     return value
 
 
@@ -123,7 +130,10 @@ def _same_layout_pairs(old, new):
     elif dataclasses.is_dataclass(new):
         parts = [_same_layout_pairs(getattr(old, f.name), getattr(new, f.name)) for f in dataclasses.fields(new)]
     else:
-        return [] if old is new or old == new else None
+        try:
+            return [] if old is new or bool(old == new) else None
+        except (TypeError, ValueError, RuntimeError):  # an array-like: no single truth value
+            return None
     return None if any(p is None for p in parts) else [pair for p in parts for pair in p]
 
 

@@ -24,9 +24,9 @@ from torch import nn
 
 from .. import ops, reference
 from ..arguments import check_load
-from ..rope import rope_config, rope_cos_sin_cache, rope_parameters
+from ..rope import rope_config, rope_parameters
 from .checkpoint import CheckpointError, check_tensors, load_tensors, read_config, resolve_checkpoint, save_tensors
-from .layers import MLP, Attention, RMSNormWeight, TreeAttention, static_caches
+from .layers import MLP, Attention, RMSNormWeight, TreeAttention, static_caches, static_cos_sin
 from .linear import Linear, pack_linears
 
 logger = logging.getLogger(__name__)
@@ -316,7 +316,7 @@ class Eagle3Drafter(nn.Module):
         shape = (batch_size * max_length, c.num_key_value_heads, c.head_dim)
         self.caches = static_caches(self.caches, len(self.layers), shape, p)
         pack_linears(self)
-        self.cos_sin = rope_cos_sin_cache(max_length, c.head_dim, c.rope_theta, torch.float32, p.device, c.rope_scaling)
+        self.cos_sin = static_cos_sin(self.cos_sin, max_length, c, p.device)
         self.state = None
 
     # ------------------------------------------------------------------ forward

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..rope import rope_cos_sin_cache
 from .linear import Linear
 
 
@@ -26,6 +27,17 @@ def static_caches(existing: list[tuple[torch.Tensor, torch.Tensor]], layers: int
     caches = [(like.new_zeros(shape), like.new_zeros(shape)) for _ in range(layers)]
     mark_static(caches)
     return caches
+
+
+def static_cos_sin(existing: torch.Tensor | None, max_length: int, config, device) -> torch.Tensor:
+    """The RoPE table ``[max_length, rot]`` (fp32) of a model's config: the existing one when it
+    fits, so that graphs reading it (a static input, like the caches) see the same address."""
+    if existing is not None and existing.shape[0] == max_length and existing.device == torch.device(device):
+        return existing
+    table = rope_cos_sin_cache(max_length, config.head_dim, config.rope_theta, torch.float32, device,
+                               config.rope_scaling)
+    torch._dynamo.mark_static_address(table)
+    return table
 
 
 class RMSNormWeight(nn.Module):

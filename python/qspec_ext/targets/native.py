@@ -12,11 +12,11 @@ from torch import nn
 from .. import ops, reference
 from ..arguments import check_aux_layer_ids, check_load
 from ..aux import AuxHiddenCapture, default_aux_layer_ids
-from ..rope import rope_config, rope_cos_sin_cache
+from ..rope import rope_config
 from ..models.checkpoint import (CheckpointError, check_tensors, load_tensors, map_tensor, read_config,
                                  resolve_checkpoint, trim_heap)
 from ..models.layers import (MLP, Attention, RMSNormWeight, TreeAttention, join_checkpoint_parts, keep_path,
-                             static_caches)
+                             static_caches, static_cos_sin)
 from ..models.linear import Linear, pack_linears
 from .base import Capabilities
 
@@ -116,6 +116,7 @@ class NativeTarget(nn.Module):
         self.aux_layer_ids = ids
         self.capture = AuxHiddenCapture(ids)
         self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.cos_sin: torch.Tensor | None = None
         self.max_length = 0
 
     capabilities = Capabilities(static_cache=True, trees=True, compilable=True)
@@ -191,14 +192,14 @@ class NativeTarget(nn.Module):
         shape = (batch_size * max_length, c.num_key_value_heads, c.head_dim)
         self.caches = static_caches(self.caches, len(self.model.layers), shape, w)
         pack_linears(self, release=True)
-        self.cos_sin = rope_cos_sin_cache(max_length, c.head_dim, c.rope_theta, torch.float32, w.device, c.rope_scaling)
+        self.cos_sin = static_cos_sin(self.cos_sin, max_length, c, w.device)
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, last_only: bool = False,
                 tree: TreeAttention | None = None) -> torch.Tensor:
         """Logits ``[B, T, V]`` (``[B, V]`` at each request's last position with ``last_only``) of
         tokens ``[B, T]`` at positions ``[B, T]`` (-1 = padding). The aux features of all B*T rows
-        are in :attr:`capture` until the next call. ``tree``: the tokens are a draft tree (its
+        are in :attr:`capture` until the next call (of any compiled graph, with CUDA graphs). ``tree``: the tokens are a draft tree (its
         slots and ancestor mask); :meth:`keep_path` then keeps the accepted path."""
         c, o = self.config, self.ops
         B, T = tokens.shape
