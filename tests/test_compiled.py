@@ -118,6 +118,20 @@ def test_cuda_graph_results_are_copied_out_of_the_graph_memory():
     assert torch.equal(model.state.logits, graph_memory[:4].view(2, 2))
 
 
+def test_setup_keeps_the_rope_tables_and_caches_that_fit(pair):
+    """Graphs read the RoPE table and the KV caches as static inputs (CUDA graphs bake their
+    addresses in): another generate call of the same size keeps them."""
+    target, chain, _ = pair
+    for model in (target, chain):
+        model.setup(2, 128)
+        table, caches = model.cos_sin, model.caches
+        model.setup(2, 128)
+        assert model.cos_sin is table and model.caches is caches
+        model.setup(2, 192)
+        assert model.cos_sin is not table and model.cos_sin.shape[0] == 192
+        assert torch.equal(model.cos_sin[:128], table)
+
+
 def test_compiled_plain_decoding_equals_eager(pair):
     target, _, _ = pair
     compiled = generate_plain(target, PROMPTS, 20, compile=True)
