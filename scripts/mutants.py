@@ -296,6 +296,15 @@ MUTANTS = [
     Mutant("attention_running_sum_not_rescaled", "csrc/cpu/attention.cpp",
            "row[1] *= correction;", "row[1] *= 1.f;",
            ("tests/test_attention.py::test_chains_match_the_reference",)),
+    Mutant("cuda_graph_state_rebound_every_call", f"{PKG}/compiled.py",
+           "pairs = _same_layout_pairs(kept[name], value) if name in kept else None", "pairs = None",
+           ("tests/test_compiled.py::test_cuda_graph_results_are_copied_out_of_the_graph_memory",)),
+    Mutant("cuda_graph_results_left_in_graph_memory", f"{PKG}/compiled.py",
+           "        return _copied(result)\n", "        return result\n",
+           ("tests/test_compiled.py::test_cuda_graph_results_are_copied_out_of_the_graph_memory",)),
+    Mutant("rope_table_rebuilt_at_every_setup", LAYERS,
+           "if existing is not None and existing.shape[0] == max_length", "if False",
+           ("tests/test_compiled.py::test_setup_keeps_the_rope_tables_and_caches_that_fit",)),
 ]
 
 # Loaded into every pytest run (-p): records which qspec_ext (and _C) the tests really imported.
