@@ -199,8 +199,9 @@ class NativeTarget(nn.Module):
                 tree: TreeAttention | None = None) -> torch.Tensor:
         """Logits ``[B, T, V]`` (``[B, V]`` at each request's last position with ``last_only``) of
         tokens ``[B, T]`` at positions ``[B, T]`` (-1 = padding). The aux features of all B*T rows
-        are in :attr:`capture` until the next call (of any compiled graph, with CUDA graphs). ``tree``: the tokens are a draft tree (its
-        slots and ancestor mask); :meth:`keep_path` then keeps the accepted path."""
+        are in :attr:`capture` until the next call (with CUDA graphs: of any compiled graph).
+        ``tree``: the tokens are a draft tree (its slots and ancestor mask); :meth:`keep_path` then
+        keeps the accepted path."""
         c, o = self.config, self.ops
         B, T = tokens.shape
         if not self.caches or B != self.batch_size:
