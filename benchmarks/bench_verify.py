@@ -151,11 +151,11 @@ def main() -> int:
                         draft_ids, draft_probs, logits, temperature, seed, offset, out, accepted, d2t)
                     baseline_fn = eager_sampling
                     baseline_args = (draft_ids, draft_probs, logits, temperature, target_ids)
-                    expected = ref.verify_sampling if dev == "cpu" else qspec_ext.verify_sampling  # see check_against
+                    expected_fn = ref.verify_sampling if dev == "cpu" else qspec_ext.verify_sampling  # see check_against
                     check = lambda: (  # noqa: E731
                         qspec_ext.verify_sampling(draft_ids, draft_probs, logits, temperature, seed, offset, d2t),
-                        expected(draft_ids.cpu(), draft_probs.cpu(), logits.cpu(), temperature.cpu(),
-                                 seed.cpu(), offset.cpu(), d2t.cpu()),
+                        expected_fn(draft_ids.cpu(), draft_probs.cpu(), logits.cpu(), temperature.cpu(),
+                                    seed.cpu(), offset.cpu(), d2t.cpu()),
                     )
                 if args.check:
                     (a_out, a_acc), (b_out, b_acc) = check()
