@@ -62,6 +62,7 @@ TORCH_LIBRARY(qspec_ext, m) {
       "cached_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor positions, float scale, int window=0, "
       "Tensor? tree_start=None, Tensor? tree_seen=None) -> Tensor");
 
-  // input [M, K] @ W^T for W [N, K] packed by mkldnn::_reorder_linear_weight (CPU: oneDNN's blocked layout).
-  m.def("packed_linear(Tensor input, Tensor packed_weight) -> Tensor");
+  // input [M, K] @ W^T for W [N, K] packed in panels of 16 output columns, [ceil(N / 16), K, 16], zero past
+  // N (CPU: the projections' inference path). Returns [M, out_features = N].
+  m.def("packed_linear(Tensor input, Tensor packed_weight, int out_features) -> Tensor");
 }

@@ -1,4 +1,5 @@
-"""The projections' CPU inference path (oneDNN-packed weights) against F.linear on the weight."""
+"""The projections' CPU inference path (weights packed in panels, ops.packed_linear) against F.linear
+on the weight and the float64 reference."""
 
 import pytest
 import torch
@@ -6,13 +7,9 @@ import torch.nn.functional as F
 from torch._inductor.utils import run_and_get_code
 
 from qspec_ext import ops, reference
-from qspec_ext.models.linear import Linear, onednn_available, pack_linears, packable_dtypes
-
-pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
+from qspec_ext.models.linear import Linear, pack_linears, pack_weight, unpack_weight
 
 TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=2e-2)}
-BF16_PACKED = torch.bfloat16 in packable_dtypes()
-needs_bf16_packing = pytest.mark.skipif(not BF16_PACKED, reason="this CPU has no oneDNN bf16 (AVX2 only)")
 
 
 def packed(in_features, out_features, dtype, seed=0):
@@ -22,7 +19,7 @@ def packed(in_features, out_features, dtype, seed=0):
     return layer
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16_packing)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 64), (5, 64), (2, 3, 64)])
 @pytest.mark.parametrize("out_features", [96, 1000])
 def test_packed_inference_equals_f_linear(dtype, shape, out_features):
@@ -60,12 +57,13 @@ def test_a_weight_changed_after_packing_is_used_not_the_stale_copy():
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight), atol=1e-4, rtol=1e-4)
 
 
-def test_bf16_is_packed_exactly_where_onednn_runs_it_and_computes_either_way():
-    layer = packed(64, 32, torch.bfloat16)
-    assert (layer.packed_weight is not None) == BF16_PACKED == torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    x = torch.randn(3, 64).bfloat16()
-    with torch.no_grad():
-        torch.testing.assert_close(layer(x).float(), F.linear(x.float(), layer.weight.float()), atol=3e-2, rtol=2e-2)
+def test_packing_keeps_every_value_and_pads_the_last_panel_with_zeros():
+    weight = torch.randn(37, 24)
+    packed = pack_weight(weight)
+    assert packed.shape == (3, 24, 16) and packed.is_contiguous()
+    assert torch.equal(packed[1, 5], weight[16:32, 5])  # panel 1: columns 16..31, lane = column % 16
+    assert torch.equal(packed[2, :, 5:], torch.zeros(24, 11))
+    assert torch.equal(unpack_weight(packed, 37), weight)
 
 
 def test_fp16_and_other_dtypes_are_not_packed():
@@ -79,34 +77,44 @@ def test_fp16_and_other_dtypes_are_not_packed():
     assert layer.packed_weight is None
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16_packing)])
-@pytest.mark.parametrize("rows", [1, 4, 17])
-def test_packed_linear_op_equals_the_reference(dtype, rows):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 4, 17, 130])  # register tiles of 4 rows and their tails, blocks of 64
+@pytest.mark.parametrize("out_features", [16, 80, 1000])
+def test_packed_linear_op_equals_the_reference(dtype, rows, out_features):
     torch.manual_seed(rows)
-    weight = torch.randn(80, 48).to(dtype)
+    weight = torch.randn(out_features, 48).to(dtype)
     x = torch.randn(rows, 96).to(dtype)[:, ::2]  # strided rows, as a reshaped activation may be
-    got = ops.packed_linear(x, torch.ops.mkldnn._reorder_linear_weight(weight, 1))
-    assert got.shape == (rows, 80) and got.dtype == dtype
+    got = ops.packed_linear(x, pack_weight(weight), out_features)
+    assert got.shape == (rows, out_features) and got.dtype == dtype
     torch.testing.assert_close(got.float(), reference.packed_linear(x, weight).float(), **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_passes_opcheck(dtype):
+    weight = torch.randn(40, 24).to(dtype)
+    torch.library.opcheck(torch.ops.qspec_ext.packed_linear.default,
+                          (torch.randn(5, 24).to(dtype), pack_weight(weight), 40))
+
+
 @pytest.mark.parametrize("bad, match", [
-    (lambda x, p: (x[None], p), "'input' must be 2-D"),
-    (lambda x, p: (x[:, :63], p), "'input' must have 64 columns"),
-    (lambda x, p: (x.double(), p), "'input' must have the packed weight's dtype"),
+    (lambda x, p: (x[None], p, 32), "'input' must be 2-D"),
+    (lambda x, p: (x[:, :63], p, 32), "'input' must have 64 columns"),
+    (lambda x, p: (x.double(), p.double(), 32), "'input' must be float32 or bfloat16"),
+    (lambda x, p: (x.bfloat16(), p, 32), "'input' must have the packed weight's dtype"),
+    (lambda x, p: (x, p[:, :, :8], 32), "'packed_weight' must be 3-D"),
+    (lambda x, p: (x, p, 33), "'out_features' must need the packed weight's 2 panels"),
+    (lambda x, p: (x, p, 16), "'out_features' must need the packed weight's 2 panels"),
+    (lambda x, p: (x, p.transpose(0, 1).contiguous().transpose(0, 1), 32), "'packed_weight' must be contiguous"),
 ])
 def test_packed_linear_rejects_bad_input(bad, match):
-    packed_weight = torch.ops.mkldnn._reorder_linear_weight(torch.randn(32, 64), 1)
+    packed_weight = pack_weight(torch.randn(32, 64))
     with pytest.raises(RuntimeError, match=f"qspec_ext.packed_linear: argument {match}"):
         ops.packed_linear(*bad(torch.randn(3, 64), packed_weight))
 
 
 def test_the_op_compiles_into_a_static_graph():
-    # (torch.library.opcheck cannot run this op: it reads tensor storages, and a packed weight, fp32 or
-    # bf16, is an opaque oneDNN tensor; compiling runs the fake kernel on it.)
-    dtype = torch.bfloat16 if BF16_PACKED else torch.float32
-    layer = packed(64, 48, dtype)
-    x = torch.randn(2, 3, 64).to(dtype)
+    layer = packed(64, 48, torch.bfloat16)
+    x = torch.randn(2, 3, 64).bfloat16()
     with torch.no_grad():
         eager = layer(x)
         compiled, code = run_and_get_code(torch.compile(layer, fullgraph=True, dynamic=False), x)
@@ -154,7 +162,7 @@ def test_load_state_dict_into_a_released_model_and_tied_weights_stay_dense():
 def test_the_native_target_keeps_one_copy_of_its_projections_after_setup():
     from qspec_ext.targets import load_target
 
-    target = load_target("tiny", dtype=torch.float32)  # (bf16 is packed only where oneDNN runs it)
+    target = load_target("tiny", dtype=torch.float32)
     before = {k: v.clone() for k, v in target.state_dict().items()}
     tokens = torch.tensor([[5, 17, 42, 7]])
     positions = torch.arange(4)[None]

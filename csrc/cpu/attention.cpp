@@ -61,29 +61,62 @@ QSPEC_INLINE float block_fold(const float* __restrict__ w, Op op) {
   return op(op(h4[0], h4[2]), op(h4[1], h4[3]));
 }
 
-// 16 fp32 lanes as one GCC vector: each clone compiles it to one AVX-512 register, two AVX2 or
-// four SSE ones. A float[16] fold would be scalarized; the vector's horizontal sum is four
-// shuffle-adds (in a microbenchmark 2x faster per dot product).
-typedef float Lanes16 __attribute__((vector_size(64)));
-typedef int32_t LaneIndex16 __attribute__((vector_size(64)));
+// 8 fp32 lanes as one GCC vector: one AVX2 / AVX-512VL register, two SSE ones. (A 16-lane vector
+// was one AVX-512 register but went through the stack on AVX2, 7x slower per key there.)
+typedef float Lanes8 __attribute__((vector_size(32)));
+// The helpers below take and return Lanes8 but are always inlined: no call ABI to warn about in the
+// baseline (SSE) clone.
+#pragma GCC diagnostic ignored "-Wpsabi"
+typedef int32_t LaneIndex8 __attribute__((vector_size(32)));
 
-// a . b over n: 16-lane partial sums, then their horizontal sum.
+QSPEC_INLINE Lanes8 load8(const float* p) {
+  Lanes8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// a . b over n: 8-lane partial sums, then their horizontal sum.
 QSPEC_INLINE float dot(const float* __restrict__ a, const float* __restrict__ b, int64_t n) {
-  Lanes16 acc = {};
+  Lanes8 acc = {};
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    Lanes16 x, y;
-    std::memcpy(&x, a + i, sizeof x);
-    std::memcpy(&y, b + i, sizeof y);
-    acc += x * y;
-  }
-  acc += __builtin_shuffle(acc, LaneIndex16{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-  acc += __builtin_shuffle(acc, LaneIndex16{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-  acc += __builtin_shuffle(acc, LaneIndex16{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-  acc += __builtin_shuffle(acc, LaneIndex16{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
-  float total = acc[0];
+  for (; i + 8 <= n; i += 8) acc += load8(a + i) * load8(b + i);
+  float total = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
   for (; i < n; ++i) total += a[i] * b[i];
   return total;
+}
+
+// Lanes of x and y, pairwise: out = x[even] + x[odd] in lanes 2i, y's in 2i + 1 (and the same
+// shape one level up): three levels turn 8 vectors of partial sums into one vector of 8 totals,
+// 7 adds instead of 8 horizontal sums.
+QSPEC_INLINE Lanes8 add_pairs(Lanes8 x, Lanes8 y) {
+  return __builtin_shuffle(x, y, LaneIndex8{0, 8, 2, 10, 4, 12, 6, 14}) +
+         __builtin_shuffle(x, y, LaneIndex8{1, 9, 3, 11, 5, 13, 7, 15});
+}
+QSPEC_INLINE Lanes8 add_quads(Lanes8 x, Lanes8 y) {
+  return __builtin_shuffle(x, y, LaneIndex8{0, 1, 8, 9, 4, 5, 12, 13}) +
+         __builtin_shuffle(x, y, LaneIndex8{2, 3, 10, 11, 6, 7, 14, 15});
+}
+QSPEC_INLINE Lanes8 add_halves(Lanes8 x, Lanes8 y) {
+  return __builtin_shuffle(x, y, LaneIndex8{0, 1, 2, 3, 8, 9, 10, 11}) +
+         __builtin_shuffle(x, y, LaneIndex8{4, 5, 6, 7, 12, 13, 14, 15});
+}
+
+// scores[k] = q . keys[k * stride] over D for 8 keys at once.
+QSPEC_INLINE void dot8(const float* __restrict__ q, const float* __restrict__ keys, int64_t stride, int64_t D,
+                       float* __restrict__ scores) {
+  Lanes8 acc[8] = {};
+  int64_t i = 0;
+  for (; i + 8 <= D; i += 8) {
+    const Lanes8 x = load8(q + i);
+    for (int k = 0; k < 8; ++k) acc[k] += x * load8(keys + k * stride + i);
+  }
+  const Lanes8 totals = add_halves(add_quads(add_pairs(acc[0], acc[1]), add_pairs(acc[2], acc[3])),
+                                   add_quads(add_pairs(acc[4], acc[5]), add_pairs(acc[6], acc[7])));
+  for (int k = 0; k < 8; ++k) {
+    float total = totals[k];
+    for (int64_t d = i; d < D; ++d) total += q[d] * keys[k * stride + d];
+    scores[k] = total;
+  }
 }
 
 // acc[D] += sum_j w[j] * values[j * stride + d] over the block's n keys. The accumulator is held
@@ -172,8 +205,12 @@ QSPEC_INLINE void attend_keys_impl(const AttentionParams<T>& p, int64_t b, int64
           const float* qi = q.data() + i * D;
           float* row = state + i * width;
           float* acc = row + 2;
-          for (int64_t j = 0; j < kKeyBlock; ++j)  // an unseen key is never read
-            scores[j] = sees[j] ? dot(qi, keys + j * slot_stride + h * D, D) : kNegInf;
+          // Keys past the block's n slots are never read; an unseen key inside them may be
+          // (its slot is in the cache, any value), and its score is replaced.
+          int64_t j = 0;
+          for (; j + 8 <= n; j += 8) dot8(qi, keys + j * slot_stride + h * D, slot_stride, D, scores + j);
+          for (; j < n; ++j) scores[j] = dot(qi, keys + j * slot_stride + h * D, D);
+          for (j = 0; j < kKeyBlock; ++j) scores[j] = sees[j] ? scores[j] : kNegInf;
           const float block_max = block_fold(scores, [](float a, float b) { return std::max(a, b); });
           if (block_max == kNegInf) continue;
           const float new_max = std::max(row[0], block_max);

@@ -3,7 +3,7 @@
 Activations are fp32, fp16 or bf16; norm weights fp32 or the activation dtype; index
 tensors int32 or int64. Rows of 2-D inputs may be strided (last dim contiguous).
 Every op runs on CPU and, when built with CUDA, on CUDA (on the current stream), except
-``packed_linear``: oneDNN-packed weights are the CPU's.
+``packed_linear``: its packed weights are the CPU's inference path.
 """
 
 from collections.abc import Sequence
@@ -255,12 +255,12 @@ def cached_attention(
     return _ops.cached_attention(query, k_cache, v_cache, positions, scale, window, tree_start, tree_seen)
 
 
-def packed_linear(input: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:
-    """``input @ W^T`` ``[M, N]`` for ``input [M, K]`` and ``packed_weight`` =
-    ``torch.ops.mkldnn._reorder_linear_weight(W [N, K])`` (oneDNN's blocked layout, CPU only): the
-    projections' CPU inference path (models/linear.py), an op of ours so that a compiled graph
-    calls it directly (Inductor lowers oneDNN's own op only for constant weights)."""
-    return _ops.packed_linear(input, packed_weight)
+def packed_linear(input: torch.Tensor, packed_weight: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``input @ W^T`` ``[M, out_features]`` for ``input [M, K]`` (fp32 or bf16) and ``packed_weight``
+    = ``models.linear.pack_weight(W [out_features, K])``: W in panels of 16 output columns,
+    ``[ceil(N / 16), K, 16]``, in the input's dtype; accumulates in fp32 (CPU only: the projections'
+    inference path, models/linear.py)."""
+    return _ops.packed_linear(input, packed_weight, out_features)
 
 
 @torch.library.register_fake("qspec_ext::cached_attention")
@@ -269,8 +269,8 @@ def _cached_attention_fake(query, k_cache, v_cache, positions, scale, window=0, 
 
 
 @torch.library.register_fake("qspec_ext::packed_linear")
-def _packed_linear_fake(input, packed_weight):
-    return input.new_empty(input.shape[0], packed_weight.shape[0])
+def _packed_linear_fake(input, packed_weight, out_features):
+    return input.new_empty(input.shape[0], out_features)
 
 
 @torch.library.register_fake("qspec_ext::rms_norm")

@@ -148,7 +148,7 @@ def cached_attention(query, k_cache, v_cache, positions, scale, window=0, tree_s
 
 def packed_linear(input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """input [M, K] @ weight [N, K]^T in float64, rounded once (ops.packed_linear takes the weight
-    packed by oneDNN; this one the weight as stored)."""
+    packed in panels; this one the weight as stored)."""
     return (input.double() @ weight.double().T).to(input.dtype)
 
 

@@ -1,19 +1,20 @@
 """The projections of the drafter and the native target.
 
-On CPU, inference runs on a copy of each weight pre-packed into oneDNN's blocked layout (what
-vLLM's CPU backend and Inductor's freezing pass do): a decode step of a weight-bound model then
-streams its weights at the memory's speed, where MKL's plain fp32 / bf16 GEMMs at 1-8 rows do not
-(SmolLM2-135M's 576 x 49152 lm_head, one row: 11 ms fp32 and 6 ms bf16 unpacked, 5 ms and 3 ms
-packed; see benchmarks/HISTORY.md). ``pack_linears(model)`` packs at ``setup``, and the op
-``qspec_ext.ops.packed_linear`` (C++, eager and compiled alike) runs them; autograd, autocast,
-CUDA and fp16 run ``F.linear`` on the weight itself, which stays the one source of truth (a weight
-changed after packing is noticed and used unpacked until the next ``setup`` packs it again).
+On CPU, inference runs on a copy of each weight packed into panels of 16 output columns
+(:func:`pack_weight`), by the op ``qspec_ext.ops.packed_linear`` (C++, eager and compiled alike): a
+decode step's GEMM has a few rows, so it streams each panel once and every weight loaded serves all
+the rows; bf16 weights are widened in registers, so bf16 streams half the bytes of fp32 on any x86
+CPU. (Before, oneDNN's packed weights: on CPUs without AVX-512 oneDNN keeps the plain layout, has no
+bf16 kernels and costs 50-100 us a call; see benchmarks/HISTORY.md.) ``pack_linears(model)`` packs at
+``setup``; autograd, autocast, CUDA and fp16 run ``F.linear`` on the weight itself, which stays the
+one source of truth (a weight changed after packing is noticed and used unpacked until the next
+``setup`` packs it again).
 
 An inference-only model (the native target) keeps one copy: ``pack_linears(model, release=True)``
 hands each weight no other module shares over to its packed copy, as vLLM's CPU backend does. The
 weight stays a parameter of the same shape and dtype, on the meta device (no storage: reading its
 values fails loudly); ``state_dict``, ``.to()`` and ``load_state_dict`` restore it exactly from the
-packed copy (``to_dense()``), and the paths that need it dense unpack it per call.
+packed copy (:func:`unpack_weight`), and the paths that need it dense unpack it per call.
 """
 
 from collections import Counter
@@ -26,16 +27,28 @@ from .. import ops
 from .checkpoint import trim_heap
 
 
-def onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+PANEL = 16  # output columns per panel of a packed weight (csrc/cpu/packed_linear.cpp: kPanel)
 
 
 def packable_dtypes() -> tuple[torch.dtype, ...]:
-    """The dtypes oneDNN runs packed on this CPU: fp32 everywhere, bf16 only with AVX-512 (BW, VL,
-    DQ) or AVX-NE-CONVERT (an AVX2-only CPU has no bf16 primitives: its weights stay unpacked)."""
-    if not onednn_available():
-        return ()
-    return (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
+    """The dtypes ``packed_linear`` runs: fp32 and bf16 (fp16 and others stay unpacked)."""
+    return (torch.float32, torch.bfloat16)
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [N, K]`` as panels ``[ceil(N / 16), K, 16]``: column n of ``input @ weight.T`` is lane
+    ``n % 16`` of panel ``n // 16``; zeros past N."""
+    out_features, in_features = weight.shape
+    panels = -(-out_features // PANEL)
+    padded = weight.new_zeros(panels * PANEL, in_features)
+    padded[:out_features] = weight
+    return padded.view(panels, PANEL, in_features).transpose(1, 2).contiguous()
+
+
+def unpack_weight(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The weight ``[N, K]`` :func:`pack_weight` packed, exactly."""
+    panels, in_features, _ = packed.shape
+    return packed.transpose(1, 2).reshape(panels * PANEL, in_features)[:out_features].contiguous()
 
 
 def weight_key(weight: torch.Tensor) -> tuple:
@@ -60,20 +73,24 @@ class Linear(nn.Linear):
         if (packed is not None and x.device.type == "cpu" and x.dtype == packed.dtype and self.bias is None
                 and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
                 and (compiling or self.weight.is_meta or self.packed_from == weight_key(self.weight))):
-            out = ops.packed_linear(x.reshape(-1, x.shape[-1]), packed)
-            return out.view(*x.shape[:-1], packed.shape[0])
-        return F.linear(x, packed.to_dense() if self.released else self.weight, self.bias)
+            out = ops.packed_linear(x.reshape(-1, x.shape[-1]), packed, self.out_features)
+            return out.view(*x.shape[:-1], self.out_features)
+        return F.linear(x, self.dense_weight() if self.released else self.weight, self.bias)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight's values: itself, or unpacked from the packed copy it was handed over to."""
+        return unpack_weight(self.packed_weight, self.out_features) if self.released else self.weight
 
     def restore_weight(self) -> None:
         """Gives a released weight its dense values back (the packed copy stays valid)."""
         if self.released:
-            self.weight = nn.Parameter(self.packed_weight.to_dense(), requires_grad=False)
+            self.weight = nn.Parameter(self.dense_weight(), requires_grad=False)
             self.packed_from = weight_key(self.weight)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.released:
-            destination[prefix + "weight"] = self.packed_weight.to_dense()
+            destination[prefix + "weight"] = self.dense_weight()
 
     def _load_from_state_dict(self, *args, **kwargs):
         self.restore_weight()
@@ -101,7 +118,7 @@ def pack_linears(model: nn.Module, release: bool = False) -> int:
             module.packed_weight = module.packed_from = None
             continue
         if module.packed_from != weight_key(weight):
-            module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+            module.packed_weight = pack_weight(weight.detach())
             module.packed_from = weight_key(weight)
         if release and uses[id(weight)] == 1:
             module.weight = nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
