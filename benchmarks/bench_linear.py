@@ -1,5 +1,6 @@
-"""Microbenchmark of the projections' CPU inference path: oneDNN-packed weights
-(qspec_ext.models.linear.Linear after pack_linears) against F.linear on the weight as stored.
+"""Microbenchmark of the projections' CPU inference path: weights packed in panels of 16 columns
+(qspec_ext.models.linear.Linear after pack_linears: ops.packed_linear) against F.linear on the
+weight as stored.
 
     python benchmarks/bench_linear.py [--model smollm2] [--rows 1 4 8] [--dtypes fp32 bf16] [--check] [--json PATH]
 
@@ -48,7 +49,7 @@ def main() -> int:
                 x = torch.randn(count, in_features).to(dtype)
                 with torch.no_grad():
                     if args.check:
-                        tol = CHECK_TOLERANCE[dtype] * 4  # oneDNN and MKL sum in different orders
+                        tol = CHECK_TOLERANCE[dtype] * 4  # the op and MKL sum in different orders
                         if not torch.allclose(layer(x).float(), F.linear(x, layer.weight).float(), atol=tol, rtol=tol):
                             failures += 1
                             print(f"CHECK FAILED: {dtype_name} {name} rows={count}")
@@ -61,7 +62,7 @@ def main() -> int:
                 label = f"{name} {in_features}x{out_features} rows={count}"
                 rows.append(Row(f"Linear[{args.model}]", dtype_name, label, moved, ours, baselines))
                 print(f"  {dtype_name} {label}: {ours.median_us:.1f} us", file=sys.stderr, flush=True)
-    return finish(f"qspec_ext projections on oneDNN-packed weights ({args.model})", rows, args, failures)
+    return finish(f"qspec_ext projections on panel-packed weights ({args.model})", rows, args, failures)
 
 
 if __name__ == "__main__":

@@ -371,8 +371,7 @@ def test_a_tied_embedding_stays_in_the_file_and_only_its_used_rows_are_read(tmp_
     assert resident <= 2**20, f"{resident} bytes of the 4 MiB table resident after setup (packed again?)"
     tokens = torch.tensor([[1, 2, 3, 16000]])
     logits = target(tokens, torch.arange(4)[None])
-    if packed is not None:  # oneDNN: packed at load, from the file, and not again at setup
-        assert target.lm_head.packed_weight is packed
+    assert packed is not None and target.lm_head.packed_weight is packed  # packed at load, not again at setup
     resident = resident_bytes_of_mapping(file, table)
     assert resident <= 2**18, f"{resident} bytes of the 4 MiB table resident after a forward of 4 tokens"
     torch.testing.assert_close(table, hf.get_input_embeddings().weight, atol=0, rtol=0)
