@@ -141,7 +141,7 @@ def test_graph_replay_equals_eager(op, make):
 def test_every_op_has_a_graph_case():
     registered = {n.removeprefix("qspec_ext::") for n in torch._C._dispatch_get_all_op_names()
                   if n.startswith("qspec_ext::")}
-    covered = {op for op, _, _ in CASES} | {"packed_linear"}  # CPU only: oneDNN-packed weights
+    covered = {op for op, _, _ in CASES} | {"packed_linear"}  # CPU only: its packed weights are the CPU inference path
     assert registered - covered == set(), (
         f"ops without a CUDA-graph case in tests/test_cuda_graphs.py: {sorted(registered - covered)}")
     assert covered - registered == set(), f"CUDA-graph cases for ops that are not registered: {sorted(covered - registered)}"

@@ -380,9 +380,26 @@ def test_a_tied_embedding_stays_in_the_file_and_only_its_used_rows_are_read(tmp_
         table[1] += 1.0  # a private page: the file never changes
     assert file.read_bytes() == before
     assert target.state_dict()["model.embed_tokens.weight"][1].equal(hf.get_input_embeddings().weight[1] + 1.0)
-    # another dtype than the file's: a copy of its own, as every other weight
-    half = load_target(tmp_path, dtype=torch.bfloat16, aux_layer_ids=AUX)
-    assert resident_bytes_of_mapping(file, half.model.embed_tokens.weight) is None
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads Linux's /proc/self/smaps")
+def test_a_tied_embedding_loaded_in_another_dtype_is_mapped_from_a_converted_copy(tmp_path, monkeypatch):
+    monkeypatch.setenv("QSPEC_CACHE", str(tmp_path / "cache"))
+    hf = make_llama(tie=True)
+    hf.resize_token_embeddings(16384, mean_resizing=False)  # a table of 4 MiB in fp32
+    hf.save_pretrained(tmp_path / "model")
+    target = load_target(tmp_path / "model", dtype=torch.bfloat16, aux_layer_ids=AUX)
+    copies = list((tmp_path / "cache" / "tables").glob("*/model.safetensors"))
+    assert len(copies) == 1
+    table = target.model.embed_tokens.weight
+    assert table.dtype == torch.bfloat16 and table.data_ptr() == target.lm_head.weight.data_ptr()
+    resident = resident_bytes_of_mapping(copies[0].resolve(), table)
+    assert resident is not None and resident <= 2**20, f"{resident}: the table is not the converted copy's pages"
+    torch.testing.assert_close(table, hf.get_input_embeddings().weight.bfloat16(), atol=0, rtol=0)
+    written = copies[0].stat().st_mtime_ns
+    again = load_target(tmp_path / "model", dtype=torch.bfloat16, aux_layer_ids=AUX)  # the copy is reused
+    assert copies[0].stat().st_mtime_ns == written
+    torch.testing.assert_close(again.model.embed_tokens.weight, table, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("keep", [0.3, 0.9])

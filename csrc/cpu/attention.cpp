@@ -64,10 +64,10 @@ QSPEC_INLINE float block_fold(const float* __restrict__ w, Op op) {
 // 8 fp32 lanes as one GCC vector: one AVX2 / AVX-512VL register, two SSE ones. (A 16-lane vector
 // was one AVX-512 register but went through the stack on AVX2, 7x slower per key there.)
 typedef float Lanes8 __attribute__((vector_size(32)));
+typedef int32_t LaneIndex8 __attribute__((vector_size(32)));
 // The helpers below take and return Lanes8 but are always inlined: no call ABI to warn about in the
 // baseline (SSE) clone.
 #pragma GCC diagnostic ignored "-Wpsabi"
-typedef int32_t LaneIndex8 __attribute__((vector_size(32)));
 
 QSPEC_INLINE Lanes8 load8(const float* p) {
   Lanes8 v;
@@ -174,7 +174,7 @@ QSPEC_INLINE void attend_keys_impl(const AttentionParams<T>& p, int64_t b, int64
   // fp32 caches are read in place; others are converted a block (K then V) at a time.
   std::vector<float> converted(kFloat ? 0 : 2 * kKeyBlock * slot_stride);
   std::vector<char> active(p.tokens), seen(p.tokens * kKeyBlock);
-  float scores[kKeyBlock], weights[kKeyBlock];
+  float scores[kKeyBlock] = {}, weights[kKeyBlock];  // (scores past a block's n: never computed, masked)
   const int64_t first_slot = b * p.max_length;
   for (int64_t block = begin; block < end; block += kKeyBlock) {
     const int64_t n = std::min(kKeyBlock, end - block);

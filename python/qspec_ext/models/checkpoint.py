@@ -3,6 +3,7 @@ with errors that name the file and the key."""
 
 import ctypes
 import functools
+import hashlib
 import json
 import math
 import mmap
@@ -12,6 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import safetensors
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -172,6 +174,35 @@ def map_tensor(directory: str | Path, key: str, dtype: torch.dtype | None = None
     mapped = file[begin:end].view(file_dtype).view(shape)
     _advise(mapped, 1)  # MADV_RANDOM: a touched row reads its page, no read-ahead around it
     return MappedTensor(mapped, path, begin)
+
+
+def map_tensor_converted(directory: str | Path, key: str, dtype: torch.dtype, cache: Path) -> MappedTensor | None:
+    """:func:`map_tensor` of ``key`` in ``dtype`` where the checkpoint holds it in another dtype: the
+    converted tensor is written once, as a checkpoint of its own under ``cache`` (named by the source
+    file's path, size and modification time, the key and the dtype), and mapped from there. None
+    where that cannot be (not Linux, no such key, a cache that cannot be written): the caller copies."""
+    path = _file_of(Path(directory), key)
+    if not sys.platform.startswith("linux") or path is None or not path.is_file():
+        return None
+    stat = path.stat()
+    name = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{key}|{dtype}".encode()).hexdigest()
+    converted = cache / name[:32]
+    if not (converted / "model.safetensors").is_file():
+        try:
+            with safe_open(str(path), "pt") as f:
+                if key not in f.keys():
+                    return None
+                tensors = {key: f.get_tensor(key).to(dtype).contiguous()}
+            converted.mkdir(parents=True, exist_ok=True)
+            partial = converted / f"model.safetensors.{os.getpid()}.partial"
+            save_file(tensors, str(partial))
+            os.replace(partial, converted / "model.safetensors")  # whole or absent, for a concurrent load
+        except (OSError, safetensors.SafetensorError):
+            return None
+        finally:
+            tensors = None
+            trim_heap()
+    return map_tensor(converted, key, dtype)
 
 
 def _advise(tensor: torch.Tensor, advice: int) -> None:

@@ -13,8 +13,9 @@ from .. import ops, reference
 from ..arguments import check_aux_layer_ids, check_load
 from ..aux import AuxHiddenCapture, default_aux_layer_ids
 from ..rope import rope_config
-from ..models.checkpoint import (CheckpointError, check_tensors, load_tensors, map_tensor, read_config,
-                                 resolve_checkpoint, trim_heap)
+from ..shipped import cache_root
+from ..models.checkpoint import (CheckpointError, check_tensors, load_tensors, map_tensor, map_tensor_converted,
+                                 read_config, resolve_checkpoint, trim_heap)
 from ..models.layers import (MLP, Attention, RMSNormWeight, TreeAttention, join_checkpoint_parts, keep_path,
                              static_caches, static_cos_sin)
 from ..models.linear import Linear, pack_linears
@@ -169,12 +170,15 @@ class NativeTarget(nn.Module):
 
     def _map_tied_embedding(self, directory: Path, dtype, device, expected: dict) -> torch.Tensor | None:
         """A tied embedding stays in the checkpoint file, mapped (:func:`map_tensor`: a decode step
-        reads only its tokens' rows), where it is on the CPU in the file's dtype; its lm_head's
+        reads only its tokens' rows), where it is on the CPU (loaded in another dtype than the file's:
+        a converted copy of the table written once under the cache root, mapped); its lm_head's
         packed copy is made now, before the other weights load (the peak stays the final size),
         and the pages that read go back. Elsewhere None: loaded as the other weights."""
         if not self.config.tie_word_embeddings or torch.device(device or "cpu").type != "cpu":
             return None
         mapped = map_tensor(directory, EMBEDDING, dtype)
+        if mapped is None and dtype is not None:  # the file holds another dtype: a converted copy, cached
+            mapped = map_tensor_converted(directory, EMBEDDING, dtype, cache_root() / "tables")
         if mapped is None:
             return None
         check_tensors(directory, {EMBEDDING: mapped.tensor}, {}, {EMBEDDING: expected[EMBEDDING]})
