@@ -75,7 +75,7 @@ class Linear(nn.Linear):
                 and (compiling or self.weight.is_meta or self.packed_from == weight_key(self.weight))):
             out = ops.packed_linear(x.reshape(-1, x.shape[-1]), packed, self.out_features)
             return out.view(*x.shape[:-1], self.out_features)
-        return F.linear(x, self.dense_weight() if self.released else self.weight, self.bias)
+        return F.linear(x, self.dense_weight(), self.bias)
 
     def dense_weight(self) -> torch.Tensor:
         """The weight's values: itself, or unpacked from the packed copy it was handed over to."""
