@@ -61,19 +61,7 @@ QSPEC_INLINE float block_fold(const float* __restrict__ w, Op op) {
   return op(op(h4[0], h4[2]), op(h4[1], h4[3]));
 }
 
-// 8 fp32 lanes as one GCC vector: one AVX2 / AVX-512VL register, two SSE ones. (A 16-lane vector
-// was one AVX-512 register but went through the stack on AVX2, 7x slower per key there.)
-typedef float Lanes8 __attribute__((vector_size(32)));
 typedef int32_t LaneIndex8 __attribute__((vector_size(32)));
-// The helpers below take and return Lanes8 but are always inlined: no call ABI to warn about in the
-// baseline (SSE) clone.
-#pragma GCC diagnostic ignored "-Wpsabi"
-
-QSPEC_INLINE Lanes8 load8(const float* p) {
-  Lanes8 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
 
 // a . b over n: 8-lane partial sums, then their horizontal sum.
 QSPEC_INLINE float dot(const float* __restrict__ a, const float* __restrict__ b, int64_t n) {

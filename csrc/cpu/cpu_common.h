@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cstring>
 #include <string_view>
 
 #include <ATen/core/Tensor.h>
@@ -19,6 +20,18 @@
 #define QSPEC_INLINE inline __attribute__((always_inline))
 
 namespace qspec_ext::cpu {
+
+// 8 fp32 lanes as one GCC vector: one AVX2 / AVX-512VL register, two SSE ones. (A 16-lane vector is
+// one AVX-512 register but goes through the stack in the AVX2 clone.) Helpers that take or return
+// it are always inlined: no call ABI to warn about in the baseline (SSE) clone.
+typedef float Lanes8 __attribute__((vector_size(32)));
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+QSPEC_INLINE Lanes8 load8(const float* p) {
+  Lanes8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
 
 // Rows per parallel task: enough work (about 64K elements) to pay for a thread.
 inline int64_t grain_for(int64_t elements_per_row) {

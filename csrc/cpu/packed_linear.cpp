@@ -30,18 +30,10 @@ constexpr int64_t kPanel = 16;     // output columns per panel: two 8-lane regis
 constexpr int64_t kTileRows = 4;   // input rows per register tile: 8 accumulators + 2 weights + 1 row value
 constexpr int64_t kBlockRows = 64; // input rows per work item (a prefill's rows, in L2 while a panel is reused)
 
-typedef float Lanes8 __attribute__((vector_size(32)));
 typedef uint16_t Halves8 __attribute__((vector_size(16)));
 typedef uint32_t Words8 __attribute__((vector_size(32)));
-// The helpers take and return Lanes8 but are always inlined: no call ABI to warn about in the
-// baseline (SSE) clone.
-#pragma GCC diagnostic ignored "-Wpsabi"
 
-QSPEC_INLINE Lanes8 load_weights(const float* p) {
-  Lanes8 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
+QSPEC_INLINE Lanes8 load_weights(const float* p) { return load8(p); }
 
 // bf16 is the top half of an fp32: widen and shift.
 QSPEC_INLINE Lanes8 load_weights(const c10::BFloat16* p) {
