@@ -2,9 +2,15 @@
 // the other translation units) and exposes what this binary was built with.
 #include <pybind11/pybind11.h>
 
+namespace qspec_ext {
+bool cpu_bf16_dot();  // csrc/cpu/packed_linear.cpp
+}
+
 PYBIND11_MODULE(_C, m) {
   m.attr("version") = QSPEC_VERSION;
   m.attr("with_cuda") = static_cast<bool>(QSPEC_WITH_CUDA);
   m.attr("cuda_archs") = QSPEC_CUDA_ARCHS;
   m.attr("built_with_torch") = QSPEC_TORCH_VERSION;
+  m.def("cpu_bf16_dot", &qspec_ext::cpu_bf16_dot,
+        "Whether bf16 packed_linear runs AVX512-BF16 dot products on this CPU (QSPEC_CPU_BF16_DOT=0: never)");
 }

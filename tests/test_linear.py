@@ -1,11 +1,17 @@
 """The projections' CPU inference path (weights packed in panels, ops.packed_linear) against F.linear
 on the weight and the float64 reference."""
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch._inductor.utils import run_and_get_code
 
+import qspec_ext
 from qspec_ext import ops, reference
 from qspec_ext.models.linear import Linear, pack_linears, pack_weight, unpack_weight
 
@@ -57,13 +63,18 @@ def test_a_weight_changed_after_packing_is_used_not_the_stale_copy():
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight), atol=1e-4, rtol=1e-4)
 
 
-def test_packing_keeps_every_value_and_pads_the_last_panel_with_zeros():
-    weight = torch.randn(37, 24)
+@pytest.mark.parametrize("dtype, group", [(torch.float32, 1), (torch.bfloat16, 2)])
+def test_packing_keeps_every_value_and_pads_with_zeros(dtype, group):
+    weight = torch.randn(37, 23).to(dtype)
     packed = pack_weight(weight)
-    assert packed.shape == (3, 24, 16) and packed.is_contiguous()
-    assert torch.equal(packed[1, 5], weight[16:32, 5])  # panel 1: columns 16..31, lane = column % 16
-    assert torch.equal(packed[2, :, 5:], torch.zeros(24, 11))
-    assert torch.equal(unpack_weight(packed, 37), weight)
+    lanes = -(-23 // group)
+    assert packed.shape == (3, lanes, 16, group) and packed.is_contiguous()
+    # panel 1: columns 16..31, lane = column % 16; a lane holds inputs 2 * 2 .. 2 * 2 + group - 1
+    assert torch.equal(packed[1, 2, :, 0], weight[16:32, 2 * group])
+    assert torch.equal(packed[1, 2, 7], weight[23, 2 * group:3 * group])
+    assert torch.equal(packed[2, :, 5:], torch.zeros(lanes, 11, group, dtype=dtype))  # columns past N
+    assert torch.equal(packed[:, -1, :, 23 - (lanes - 1) * group:], torch.zeros(3, 16, lanes * group - 23, dtype=dtype))
+    assert torch.equal(unpack_weight(packed, 37, 23), weight)
 
 
 def test_fp16_and_other_dtypes_are_not_packed():
@@ -80,10 +91,11 @@ def test_fp16_and_other_dtypes_are_not_packed():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 4, 17, 130])  # register tiles of 4 rows and their tails, blocks of 64
 @pytest.mark.parametrize("out_features", [16, 80, 1000])
-def test_packed_linear_op_equals_the_reference(dtype, rows, out_features):
+@pytest.mark.parametrize("in_features", [48, 46, 47])  # bf16: pairs of pairs, one pair over, an odd input
+def test_packed_linear_op_equals_the_reference(dtype, rows, out_features, in_features):
     torch.manual_seed(rows)
-    weight = torch.randn(out_features, 48).to(dtype)
-    x = torch.randn(rows, 96).to(dtype)[:, ::2]  # strided rows, as a reshaped activation may be
+    weight = torch.randn(out_features, in_features).to(dtype)
+    x = torch.randn(rows, 2 * in_features).to(dtype)[:, ::2]  # strided rows, as a reshaped activation may be
     got = ops.packed_linear(x, pack_weight(weight), out_features)
     assert got.shape == (rows, out_features) and got.dtype == dtype
     torch.testing.assert_close(got.float(), reference.packed_linear(x, weight).float(), **TOLERANCE[dtype])
@@ -101,7 +113,8 @@ def test_packed_linear_passes_opcheck(dtype):
     (lambda x, p: (x[:, :63], p, 32), "'input' must have 64 columns"),
     (lambda x, p: (x.double(), p.double(), 32), "'input' must be float32 or bfloat16"),
     (lambda x, p: (x.bfloat16(), p, 32), "'input' must have the packed weight's dtype"),
-    (lambda x, p: (x, p[:, :, :8], 32), "'packed_weight' must be 3-D"),
+    (lambda x, p: (x, p[:, :, :8], 32), "'packed_weight' must be 4-D"),
+    (lambda x, p: (x.bfloat16(), p.bfloat16(), 32), r"'packed_weight' must be 4-D \[ceil\(out_features / 16\), ceil\(in_features / 2\), 16, 2\]"),
     (lambda x, p: (x, p, 33), "'out_features' must need the packed weight's 2 panels"),
     (lambda x, p: (x, p, 16), "'out_features' must need the packed weight's 2 panels"),
     (lambda x, p: (x, p.transpose(0, 1).contiguous().transpose(0, 1), 32), "'packed_weight' must be contiguous"),
@@ -110,6 +123,28 @@ def test_packed_linear_rejects_bad_input(bad, match):
     packed_weight = pack_weight(torch.randn(32, 64))
     with pytest.raises(RuntimeError, match=f"qspec_ext.packed_linear: argument {match}"):
         ops.packed_linear(*bad(torch.randn(3, 64), packed_weight))
+
+
+def test_both_bf16_kernels_match_the_reference():
+    """bf16 runs AVX512-BF16 dot products where the CPU has them; a child process with
+    QSPEC_CPU_BF16_DOT=0 checks the widening kernel too, on any CPU."""
+    script = textwrap.dedent("""
+        import torch, qspec_ext
+        from qspec_ext import ops, reference
+        from qspec_ext.models.linear import pack_weight
+        torch.manual_seed(0)
+        for rows, in_features in [(1, 46), (5, 47), (17, 64)]:
+            weight, x = torch.randn(80, in_features).bfloat16(), torch.randn(rows, in_features).bfloat16()
+            got = ops.packed_linear(x, pack_weight(weight), 80).float()
+            torch.testing.assert_close(got, reference.packed_linear(x, weight).float(), atol=3e-2, rtol=2e-2)
+        print("dot" if qspec_ext.build_info()["cpu_bf16_dot"] else "widened")
+    """)
+    for setting in ("0", "1"):
+        env = {**os.environ, "QSPEC_CPU_BF16_DOT": setting}
+        run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        expected = "widened" if setting == "0" else ("dot" if qspec_ext.build_info()["cpu_bf16_dot"] else "widened")
+        assert run.stdout.split()[-1] == expected
 
 
 def test_the_op_compiles_into_a_static_graph():

@@ -1,16 +1,21 @@
-// packed_linear: input [M, K] @ W^T for a weight W [N, K] stored in panels of kPanel output columns,
-// packed [ceil(N / kPanel), K, kPanel] (column n of W is lane n % kPanel of panel n / kPanel, zero past
-// N): a decode step's GEMM (M = batch x tokens, a few rows) streams each panel once, contiguously,
-// and every weight it loads serves all the tile's rows. fp32 or bf16 weights (bf16 widened to fp32 in
-// registers: half the bytes streamed), fp32 accumulation, the output in the input's dtype. CPU only:
-// on CUDA the projections run cuBLAS on the weight as stored.
+// packed_linear: input [M, K] @ W^T for a weight W [N, K] packed in panels of kPanel output columns
+// with 4-byte lanes, [ceil(N / kPanel), ceil(K / G), kPanel, G], G = 4 / element size: lane n of
+// panel p is column p * kPanel + n, and holds G consecutive inputs k (fp32: one; bf16: a pair, what one
+// lane of an AVX512-BF16 dot product sums); zeros past N and K. A decode step's GEMM (M = batch x
+// tokens, a few rows) streams each panel once, contiguously, and every weight it loads serves all the
+// tile's rows. fp32 accumulation, the output in the input's dtype. bf16: on a CPU with AVX512-BF16,
+// vdpbf16ps on the bf16 rows (two multiply-adds per lane and instruction); elsewhere the pairs are
+// widened to fp32 in registers (half of fp32's bytes streamed on any x86 CPU). CPU only: on CUDA the
+// projections run cuBLAS on the weight as stored.
 //
 // Why not oneDNN's packed weights (mkldnn::_reorder_linear_weight + _linear_pointwise, what this op
 // called before): on a CPU without AVX-512 oneDNN keeps the plain layout and has no bf16 kernels, and
 // each call costs 50-100 us of primitive lookup on top of the GEMM (a 192 x 320 fp32 projection, one
 // row: 130 us against F.linear's 23 us; benchmarks/HISTORY.md).
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <string_view>
 
 #include <ATen/Parallel.h>
@@ -20,7 +25,16 @@
 #include "checks.h"
 #include "cpu_common.h"
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define QSPEC_BF16_DOT 1
+#define QSPEC_TARGET_BF16_DOT __attribute__((target("avx512f,avx512bf16")))
+#else
+#define QSPEC_BF16_DOT 0
+#endif
+
 namespace qspec_ext {
+
 namespace {
 
 using namespace cpu;
@@ -30,34 +44,16 @@ constexpr int64_t kPanel = 16;     // output columns per panel: two 8-lane regis
 constexpr int64_t kTileRows = 4;   // input rows per register tile: 8 accumulators + 2 weights + 1 row value
 constexpr int64_t kBlockRows = 64; // input rows per work item (a prefill's rows, in L2 while a panel is reused)
 
-typedef uint16_t Halves8 __attribute__((vector_size(16)));
 typedef uint32_t Words8 __attribute__((vector_size(32)));
 
-QSPEC_INLINE Lanes8 load_weights(const float* p) { return load8(p); }
-
-// bf16 is the top half of an fp32: widen and shift.
-QSPEC_INLINE Lanes8 load_weights(const c10::BFloat16* p) {
-  Halves8 h;
-  std::memcpy(&h, p, sizeof h);
-  const Words8 w = __builtin_convertvector(h, Words8) << 16;
+QSPEC_INLINE Lanes8 as_lanes(const Words8& w) {
   Lanes8 v;
   std::memcpy(&v, &w, sizeof v);
   return v;
 }
 
-// out rows [0, R) x the panel's valid columns = x rows [0, R) (fp32, row stride x_stride) @ the panel.
-template <int R, typename W, typename T>
-QSPEC_INLINE void panel_tile(const float* __restrict__ x, int64_t x_stride, const W* __restrict__ panel, int64_t K,
-                             T* __restrict__ out, int64_t out_stride, int64_t columns) {
-  Lanes8 acc[R][2] = {};
-  for (int64_t k = 0; k < K; ++k) {
-    const Lanes8 w0 = load_weights(panel + k * kPanel), w1 = load_weights(panel + k * kPanel + 8);
-    for (int r = 0; r < R; ++r) {
-      const float v = x[r * x_stride + k];
-      acc[r][0] += v * w0;
-      acc[r][1] += v * w1;
-    }
-  }
+template <int R, typename T>
+QSPEC_INLINE void store_tile(const Lanes8 (&acc)[R][2], T* __restrict__ out, int64_t out_stride, int64_t columns) {
   for (int r = 0; r < R; ++r) {
     float row[kPanel];
     std::memcpy(row, &acc[r][0], sizeof acc[r][0]);
@@ -66,11 +62,56 @@ QSPEC_INLINE void panel_tile(const float* __restrict__ x, int64_t x_stride, cons
   }
 }
 
+// out rows [0, R) x the panel's valid columns = x rows [0, R) (fp32, row stride x_stride) @ the panel.
+template <int R, typename T>
+QSPEC_INLINE void panel_tile(const float* __restrict__ x, int64_t x_stride, const float* __restrict__ panel,
+                             int64_t K, T* __restrict__ out, int64_t out_stride, int64_t columns) {
+  Lanes8 acc[R][2] = {};
+  for (int64_t k = 0; k < K; ++k) {
+    const Lanes8 w0 = load8(panel + k * kPanel), w1 = load8(panel + k * kPanel + 8);
+    for (int r = 0; r < R; ++r) {
+      const float v = x[r * x_stride + k];
+      acc[r][0] += v * w0;
+      acc[r][1] += v * w1;
+    }
+  }
+  store_tile<R>(acc, out, out_stride, columns);
+}
+
+// The same for a bf16 panel, its pairs widened in registers: bf16 is the top half of an fp32, so the
+// low half of a lane (input k) shifted up and the high half (input k + 1) masked are the two fp32s.
+template <int R, typename T>
+QSPEC_INLINE void panel_tile(const float* __restrict__ x, int64_t x_stride, const c10::BFloat16* __restrict__ panel,
+                             int64_t K, T* __restrict__ out, int64_t out_stride, int64_t columns) {
+  Lanes8 acc[R][2] = {};
+  const Words8 high = Words8{} + 0xFFFF0000u;
+  for (int64_t k = 0; k < K; k += 2) {
+    Words8 w0, w1;
+    std::memcpy(&w0, panel + k * kPanel, sizeof w0);
+    std::memcpy(&w1, panel + k * kPanel + kPanel, sizeof w1);
+    const Lanes8 even0 = as_lanes(w0 << 16), even1 = as_lanes(w1 << 16);
+    for (int r = 0; r < R; ++r) {
+      const float v = x[r * x_stride + k];
+      acc[r][0] += v * even0;
+      acc[r][1] += v * even1;
+    }
+    if (k + 1 == K) break;  // an odd K: the last pair's high halves are padding
+    const Lanes8 odd0 = as_lanes(w0 & high), odd1 = as_lanes(w1 & high);
+    for (int r = 0; r < R; ++r) {
+      const float v = x[r * x_stride + k + 1];
+      acc[r][0] += v * odd0;
+      acc[r][1] += v * odd1;
+    }
+  }
+  store_tile<R>(acc, out, out_stride, columns);
+}
+
 // Rows [row, row + rows) of the output, columns of panel p.
 template <typename W, typename T>
 QSPEC_INLINE void panel_rows_impl(const float* x, int64_t x_stride, const W* packed, int64_t K, int64_t N, int64_t p,
                                   int64_t row, int64_t rows, T* out) {
-  const W* panel = packed + p * K * kPanel;
+  const int64_t padded_k = (K + 1) / 2 * 2;  // a bf16 panel's rows come in pairs (fp32: K is a whole panel)
+  const W* panel = packed + p * (sizeof(W) == 2 ? padded_k : K) * kPanel;
   const int64_t columns = std::min(kPanel, N - p * kPanel);
   T* dst = out + row * N + p * kPanel;
   const float* src = x + row * x_stride;
@@ -94,54 +135,157 @@ QSPEC_CPU_CLONES void panel_rows(const float* x, int64_t x_stride, const c10::BF
   panel_rows_impl(x, x_stride, packed, K, N, p, row, rows, out);
 }
 
-template <typename T>
-void packed_linear_typed(const at::Tensor& x, const at::Tensor& packed_weight, at::Tensor& out) {
-  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), panels = packed_weight.size(0);
+#if QSPEC_BF16_DOT
+// A bf16 tile with vdpbf16ps: each lane adds x[k] * w[k] + x[k + 1] * w[k + 1] (products exact in fp32)
+// for the pair broadcast from the bf16 row. Two accumulators per row (even and odd pairs) so that even
+// one row keeps two dot products in flight.
+QSPEC_TARGET_BF16_DOT QSPEC_INLINE uint32_t pair_at(const uint16_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+template <int R>
+QSPEC_TARGET_BF16_DOT QSPEC_INLINE void panel_tile_dot(const uint16_t* __restrict__ x, int64_t x_stride,
+                                                       const uint16_t* __restrict__ panel, int64_t K,
+                                                       c10::BFloat16* __restrict__ out, int64_t out_stride,
+                                                       int64_t columns) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const int64_t pairs = K / 2;  // whole pairs; an odd K's last input is paired with the padding below
+  int64_t j = 0;
+  for (; j + 2 <= pairs; j += 2) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + j * 2 * kPanel);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + (j + 1) * 2 * kPanel);
+    for (int r = 0; r < R; ++r) {
+      const uint16_t* xr = x + r * x_stride + 2 * j;
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_set1_epi32(pair_at(xr)), w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)_mm512_set1_epi32(pair_at(xr + 2)), w1);
+    }
+  }
+  if (j < pairs) {
+    const __m512bh w = (__m512bh)_mm512_loadu_si512(panel + j * 2 * kPanel);
+    for (int r = 0; r < R; ++r)
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_set1_epi32(pair_at(x + r * x_stride + 2 * j)), w);
+  }
+  if (K % 2) {  // x[K - 1] with a zero beside it (x[K] is past the row)
+    const __m512bh w = (__m512bh)_mm512_loadu_si512(panel + pairs * 2 * kPanel);
+    for (int r = 0; r < R; ++r) {
+      const uint32_t last = x[r * x_stride + K - 1];
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)_mm512_set1_epi32(static_cast<int>(last)), w);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float row[kPanel];
+    _mm512_storeu_ps(row, _mm512_add_ps(acc[r][0], acc[r][1]));
+    for (int64_t c = 0; c < columns; ++c) out[r * out_stride + c] = static_cast<c10::BFloat16>(row[c]);
+  }
+}
+
+QSPEC_TARGET_BF16_DOT void panel_rows_dot(const uint16_t* x, int64_t x_stride, const uint16_t* packed, int64_t K,
+                                          int64_t N, int64_t p, int64_t row, int64_t rows, c10::BFloat16* out) {
+  const uint16_t* panel = packed + p * ((K + 1) / 2 * 2) * kPanel;
+  const int64_t columns = std::min(kPanel, N - p * kPanel);
+  c10::BFloat16* dst = out + row * N + p * kPanel;
+  const uint16_t* src = x + row * x_stride;
+  int64_t r = 0;
+  for (; r + kTileRows <= rows; r += kTileRows)
+    panel_tile_dot<kTileRows>(src + r * x_stride, x_stride, panel, K, dst + r * N, N, columns);
+  switch (rows - r) {
+    case 3: panel_tile_dot<3>(src + r * x_stride, x_stride, panel, K, dst + r * N, N, columns); break;
+    case 2: panel_tile_dot<2>(src + r * x_stride, x_stride, panel, K, dst + r * N, N, columns); break;
+    case 1: panel_tile_dot<1>(src + r * x_stride, x_stride, panel, K, dst + r * N, N, columns); break;
+    default: break;
+  }
+}
+#endif
+
+// AVX512-BF16 on this CPU, unless QSPEC_CPU_BF16_DOT=0 (to run and test the widening path on it).
+bool detect_bf16_dot() {
+#if QSPEC_BF16_DOT
+  const char* setting = std::getenv("QSPEC_CPU_BF16_DOT");
+  if (setting != nullptr && std::string_view(setting) == "0") return false;
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+// Runs fn(first, last) over the work items (panel, block of rows): panel-major, so a thread's
+// consecutive items reuse one panel over the row blocks.
+template <typename Fn>
+void for_each_item(int64_t M, int64_t K, int64_t panels, const Fn& fn) {
   const int64_t row_blocks = (M + kBlockRows - 1) / kBlockRows;
-  const float* xs = x.const_data_ptr<float>();
-  const T* packed = packed_weight.const_data_ptr<T>();
-  T* dst = out.mutable_data_ptr<T>();
-  // Items panel-major: a thread's consecutive items reuse one panel over the row blocks.
   const int64_t item_work = std::min(M, kBlockRows) * K * kPanel;
   at::parallel_for(0, panels * row_blocks, grain_for(item_work), [&](int64_t first, int64_t last) {
     for (int64_t item = first; item < last; ++item) {
-      const int64_t p = item / row_blocks, block = item % row_blocks;
-      const int64_t row = block * kBlockRows;
-      panel_rows(xs, x.stride(0), packed, K, N, p, row, std::min(kBlockRows, M - row), dst);
+      const int64_t row = (item % row_blocks) * kBlockRows;
+      fn(item / row_blocks, row, std::min(kBlockRows, M - row));
     }
   });
 }
 
+const bool kBf16Dot = detect_bf16_dot();
+
 at::Tensor packed_linear_cpu(const at::Tensor& input, const at::Tensor& packed_weight, int64_t out_features) {
   QSPEC_CHECK(input.dim() == 2, kOp, "input", "must be 2-D [rows, in_features], got ", input.dim(), "-D ",
               input.sizes());
-  QSPEC_CHECK(packed_weight.dim() == 3 && packed_weight.size(2) == kPanel, kOp, "packed_weight",
-              "must be 3-D [ceil(out_features / ", kPanel, "), in_features, ", kPanel,
-              "] (qspec_ext.models.linear.pack_weight), got ", packed_weight.sizes());
+  QSPEC_CHECK(input.scalar_type() == at::kFloat || input.scalar_type() == at::kBFloat16, kOp, "input",
+              "must be float32 or bfloat16, got ", input.scalar_type());
+  QSPEC_CHECK(input.scalar_type() == packed_weight.scalar_type(), kOp, "input", "must have the packed weight's dtype ",
+              packed_weight.scalar_type(), ", got ", input.scalar_type());
+  const int64_t group = 4 / static_cast<int64_t>(input.element_size());  // inputs per 4-byte lane
+  QSPEC_CHECK(packed_weight.dim() == 4 && packed_weight.size(2) == kPanel && packed_weight.size(3) == group, kOp,
+              "packed_weight", "must be 4-D [ceil(out_features / ", kPanel, "), ceil(in_features / ", group, "), ",
+              kPanel, ", ", group, "] (qspec_ext.models.linear.pack_weight), got ", packed_weight.sizes());
   QSPEC_CHECK(out_features > 0 && (out_features + kPanel - 1) / kPanel == packed_weight.size(0), kOp, "out_features",
               "must need the packed weight's ", packed_weight.size(0), " panels of ", kPanel, " columns, got ",
               out_features);
-  QSPEC_CHECK(input.size(1) == packed_weight.size(1), kOp, "input", "must have ", packed_weight.size(1),
+  const int64_t lanes = packed_weight.size(1), K = input.size(1);
+  QSPEC_CHECK((K + group - 1) / group == lanes, kOp, "input", "must have ",
+              group == 1 ? std::to_string(lanes) : std::to_string(2 * lanes - 1) + " or " + std::to_string(2 * lanes),
               " columns (the packed weight's in_features), got ", input.sizes());
-  QSPEC_CHECK(input.scalar_type() == packed_weight.scalar_type(), kOp, "input", "must have the packed weight's dtype ",
-              packed_weight.scalar_type(), ", got ", input.scalar_type());
-  QSPEC_CHECK(input.scalar_type() == at::kFloat || input.scalar_type() == at::kBFloat16, kOp, "input",
-              "must be float32 or bfloat16, got ", input.scalar_type());
   QSPEC_CHECK(packed_weight.is_contiguous(), kOp, "packed_weight", "must be contiguous, got strides ",
               packed_weight.strides());
   at::Tensor out = at::empty({input.size(0), out_features}, input.options());
-  if (input.size(0) == 0 || input.size(1) == 0) return out.zero_();
+  const int64_t M = input.size(0), N = out_features, panels = packed_weight.size(0);
+  if (M == 0 || K == 0) return out.zero_();
+#if QSPEC_BF16_DOT
+  if (input.scalar_type() == at::kBFloat16 && kBf16Dot) {
+    const at::Tensor x = input.stride(1) == 1 ? input : input.contiguous();
+    const auto* xs = reinterpret_cast<const uint16_t*>(x.const_data_ptr<c10::BFloat16>());
+    const auto* packed = reinterpret_cast<const uint16_t*>(packed_weight.const_data_ptr<c10::BFloat16>());
+    c10::BFloat16* dst = out.mutable_data_ptr<c10::BFloat16>();
+    for_each_item(M, K, panels, [&](int64_t p, int64_t row, int64_t rows) {
+      panel_rows_dot(xs, x.stride(0), packed, K, N, p, row, rows, dst);
+    });
+    return out;
+  }
+#endif
   // The rows in fp32 with unit column stride (a bf16 input is widened once, not per panel).
-  at::Tensor x = input.scalar_type() == at::kFloat && input.stride(1) == 1 ? input : input.to(at::kFloat).contiguous();
-  if (input.scalar_type() == at::kFloat)
-    packed_linear_typed<float>(x, packed_weight, out);
-  else
-    packed_linear_typed<c10::BFloat16>(x, packed_weight, out);
+  const at::Tensor x = input.scalar_type() == at::kFloat && input.stride(1) == 1 ? input : input.to(at::kFloat).contiguous();
+  const float* xs = x.const_data_ptr<float>();
+  if (input.scalar_type() == at::kFloat) {
+    const float* packed = packed_weight.const_data_ptr<float>();
+    float* dst = out.mutable_data_ptr<float>();
+    for_each_item(M, K, panels, [&](int64_t p, int64_t row, int64_t rows) {
+      panel_rows(xs, x.stride(0), packed, K, N, p, row, rows, dst);
+    });
+  } else {
+    const c10::BFloat16* packed = packed_weight.const_data_ptr<c10::BFloat16>();
+    c10::BFloat16* dst = out.mutable_data_ptr<c10::BFloat16>();
+    for_each_item(M, K, panels, [&](int64_t p, int64_t row, int64_t rows) {
+      panel_rows(xs, x.stride(0), packed, K, N, p, row, rows, dst);
+    });
+  }
   return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(qspec_ext, CPU, m) { m.impl("packed_linear", &packed_linear_cpu); }
+
+bool cpu_bf16_dot() { return kBf16Dot; }
 
 }  // namespace qspec_ext

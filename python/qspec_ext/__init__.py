@@ -86,7 +86,8 @@ __all__ = [
 
 
 def build_info() -> dict:
-    """What this installation was built with: package version, torch versions, CUDA archs."""
+    """What this installation was built with (package version, torch versions, CUDA archs) and what
+    its CPU kernels use here (``cpu_bf16_dot``: AVX512-BF16 in bf16 ``packed_linear``)."""
     return {
         "version": _C.version,
         "torch_version": torch.__version__,
@@ -94,4 +95,5 @@ def build_info() -> dict:
         "cuda_kernels": _C.with_cuda,
         "cuda_archs": [a for a in _C.cuda_archs.split(",") if a],
         "cuda_available": torch.cuda.is_available(),
+        "cpu_bf16_dot": _C.cpu_bf16_dot(),
     }

@@ -3,8 +3,8 @@
 On CPU, inference runs on a copy of each weight packed into panels of 16 output columns
 (:func:`pack_weight`), by the op ``qspec_ext.ops.packed_linear`` (C++, eager and compiled alike): a
 decode step's GEMM has a few rows, so it streams each panel once and every weight loaded serves all
-the rows; bf16 weights are widened in registers, so bf16 streams half the bytes of fp32 on any x86
-CPU. (Before, oneDNN's packed weights: on CPUs without AVX-512 oneDNN keeps the plain layout, has no
+the rows; bf16 runs AVX512-BF16 dot products where the CPU has them, else widens the weights in
+registers, so bf16 streams half the bytes of fp32 on any x86 CPU. (Before, oneDNN's packed weights: on CPUs without AVX-512 oneDNN keeps the plain layout, has no
 bf16 kernels and costs 50-100 us a call; see benchmarks/HISTORY.md.) ``pack_linears(model)`` packs at
 ``setup``; autograd, autocast, CUDA and fp16 run ``F.linear`` on the weight itself, which stays the
 one source of truth (a weight changed after packing is noticed and used unpacked until the next
@@ -36,19 +36,23 @@ def packable_dtypes() -> tuple[torch.dtype, ...]:
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """``weight [N, K]`` as panels ``[ceil(N / 16), K, 16]``: column n of ``input @ weight.T`` is lane
-    ``n % 16`` of panel ``n // 16``; zeros past N."""
+    """``weight [N, K]`` as panels of 16 output columns with 4-byte lanes, ``[ceil(N / 16), ceil(K / G),
+    16, G]``, G = 4 / element size (fp32 1, bf16 2): column n of ``input @ weight.T`` is lane ``n % 16``
+    of panel ``n // 16``, and a lane holds G consecutive inputs (bf16: the pair one AVX512-BF16 dot
+    product sums); zeros past N and K."""
     out_features, in_features = weight.shape
-    panels = -(-out_features // PANEL)
-    padded = weight.new_zeros(panels * PANEL, in_features)
-    padded[:out_features] = weight
-    return padded.view(panels, PANEL, in_features).transpose(1, 2).contiguous()
+    group = max(1, 4 // weight.element_size())
+    panels, lanes = -(-out_features // PANEL), -(-in_features // group)
+    padded = weight.new_zeros(panels * PANEL, lanes * group)
+    padded[:out_features, :in_features] = weight
+    return padded.view(panels, PANEL, lanes, group).transpose(1, 2).contiguous()
 
 
-def unpack_weight(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+def unpack_weight(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
     """The weight ``[N, K]`` :func:`pack_weight` packed, exactly."""
-    panels, in_features, _ = packed.shape
-    return packed.transpose(1, 2).reshape(panels * PANEL, in_features)[:out_features].contiguous()
+    panels, lanes, _, group = packed.shape
+    dense = packed.transpose(1, 2).reshape(panels * PANEL, lanes * group)
+    return dense[:out_features, :in_features].contiguous()
 
 
 def weight_key(weight: torch.Tensor) -> tuple:
@@ -79,7 +83,7 @@ class Linear(nn.Linear):
 
     def dense_weight(self) -> torch.Tensor:
         """The weight's values: itself, or unpacked from the packed copy it was handed over to."""
-        return unpack_weight(self.packed_weight, self.out_features) if self.released else self.weight
+        return unpack_weight(self.packed_weight, self.out_features, self.in_features) if self.released else self.weight
 
     def restore_weight(self) -> None:
         """Gives a released weight its dense values back (the packed copy stays valid)."""
