@@ -42,7 +42,12 @@ using namespace cpu;
 constexpr std::string_view kOp = "packed_linear";
 constexpr int64_t kPanel = 16;     // output columns per panel: two 8-lane registers
 constexpr int64_t kTileRows = 4;   // input rows per register tile: 8 accumulators + 2 weights + 1 row value
+constexpr int64_t kDotTileRows = 8;  // AVX-512 (32 registers): 16 accumulators + 2 weights + 1 pair
 constexpr int64_t kBlockRows = 64; // input rows per work item (a prefill's rows, in L2 while a panel is reused)
+
+// Inputs per 4-byte lane of a packed weight: fp32 one, bf16 a pair.
+template <typename W>
+constexpr int64_t kGroup = 4 / sizeof(W);
 
 typedef uint32_t Words8 __attribute__((vector_size(32)));
 
@@ -65,10 +70,11 @@ QSPEC_INLINE void store_tile(const Lanes8 (&acc)[R][2], T* __restrict__ out, int
 // out rows [0, R) x the panel's valid columns = x rows [0, R) (fp32, row stride x_stride) @ the panel.
 template <int R, typename T>
 QSPEC_INLINE void panel_tile(const float* __restrict__ x, int64_t x_stride, const float* __restrict__ panel,
-                             int64_t K, T* __restrict__ out, int64_t out_stride, int64_t columns) {
+                             int64_t K, T* __restrict__ out, int64_t out_stride, int64_t columns, const float* ahead) {
   Lanes8 acc[R][2] = {};
   for (int64_t k = 0; k < K; ++k) {
     const Lanes8 w0 = load8(panel + k * kPanel), w1 = load8(panel + k * kPanel + 8);
+    if (ahead != nullptr) __builtin_prefetch(ahead + k * kPanel, 0, 1);
     for (int r = 0; r < R; ++r) {
       const float v = x[r * x_stride + k];
       acc[r][0] += v * w0;
@@ -82,13 +88,15 @@ QSPEC_INLINE void panel_tile(const float* __restrict__ x, int64_t x_stride, cons
 // low half of a lane (input k) shifted up and the high half (input k + 1) masked are the two fp32s.
 template <int R, typename T>
 QSPEC_INLINE void panel_tile(const float* __restrict__ x, int64_t x_stride, const c10::BFloat16* __restrict__ panel,
-                             int64_t K, T* __restrict__ out, int64_t out_stride, int64_t columns) {
+                             int64_t K, T* __restrict__ out, int64_t out_stride, int64_t columns,
+                             const c10::BFloat16* ahead) {
   Lanes8 acc[R][2] = {};
   const Words8 high = Words8{} + 0xFFFF0000u;
   for (int64_t k = 0; k < K; k += 2) {
     Words8 w0, w1;
     std::memcpy(&w0, panel + k * kPanel, sizeof w0);
     std::memcpy(&w1, panel + k * kPanel + kPanel, sizeof w1);
+    if (ahead != nullptr) __builtin_prefetch(ahead + k * kPanel, 0, 1);
     const Lanes8 even0 = as_lanes(w0 << 16), even1 = as_lanes(w1 << 16);
     for (int r = 0; r < R; ++r) {
       const float v = x[r * x_stride + k];
@@ -106,22 +114,24 @@ QSPEC_INLINE void panel_tile(const float* __restrict__ x, int64_t x_stride, cons
   store_tile<R>(acc, out, out_stride, columns);
 }
 
-// Rows [row, row + rows) of the output, columns of panel p.
+// Rows [row, row + rows) of the output, columns of panel p. The first tile also prefetches the next
+// panel (one cache line per line it reads), so the weights stream while the tiles compute.
 template <typename W, typename T>
 QSPEC_INLINE void panel_rows_impl(const float* x, int64_t x_stride, const W* packed, int64_t K, int64_t N, int64_t p,
                                   int64_t row, int64_t rows, T* out) {
-  const int64_t padded_k = (K + 1) / 2 * 2;  // a bf16 panel's rows come in pairs (fp32: K is a whole panel)
-  const W* panel = packed + p * (sizeof(W) == 2 ? padded_k : K) * kPanel;
+  const int64_t panel_size = (K + kGroup<W> - 1) / kGroup<W> * kGroup<W> * kPanel;
+  const W* panel = packed + p * panel_size;
   const int64_t columns = std::min(kPanel, N - p * kPanel);
   T* dst = out + row * N + p * kPanel;
   const float* src = x + row * x_stride;
+  const W* ahead = panel + panel_size;
   int64_t r = 0;
-  for (; r + kTileRows <= rows; r += kTileRows)
-    panel_tile<kTileRows>(src + r * x_stride, x_stride, panel, K, dst + r * N, N, columns);
+  for (; r + kTileRows <= rows; r += kTileRows, ahead = nullptr)
+    panel_tile<kTileRows>(src + r * x_stride, x_stride, panel, K, dst + r * N, N, columns, ahead);
   switch (rows - r) {
-    case 3: panel_tile<3>(src + r * x_stride, x_stride, panel, K, dst + r * N, N, columns); break;
-    case 2: panel_tile<2>(src + r * x_stride, x_stride, panel, K, dst + r * N, N, columns); break;
-    case 1: panel_tile<1>(src + r * x_stride, x_stride, panel, K, dst + r * N, N, columns); break;
+    case 3: panel_tile<3>(src + r * x_stride, x_stride, panel, K, dst + r * N, N, columns, ahead); break;
+    case 2: panel_tile<2>(src + r * x_stride, x_stride, panel, K, dst + r * N, N, columns, ahead); break;
+    case 1: panel_tile<1>(src + r * x_stride, x_stride, panel, K, dst + r * N, N, columns, ahead); break;
     default: break;
   }
 }
@@ -149,7 +159,7 @@ template <int R>
 QSPEC_TARGET_BF16_DOT QSPEC_INLINE void panel_tile_dot(const uint16_t* __restrict__ x, int64_t x_stride,
                                                        const uint16_t* __restrict__ panel, int64_t K,
                                                        c10::BFloat16* __restrict__ out, int64_t out_stride,
-                                                       int64_t columns) {
+                                                       int64_t columns, const uint16_t* ahead) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const int64_t pairs = K / 2;  // whole pairs; an odd K's last input is paired with the padding below
@@ -157,6 +167,10 @@ QSPEC_TARGET_BF16_DOT QSPEC_INLINE void panel_tile_dot(const uint16_t* __restric
   for (; j + 2 <= pairs; j += 2) {
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + j * 2 * kPanel);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + (j + 1) * 2 * kPanel);
+    if (ahead != nullptr) {
+      __builtin_prefetch(ahead + j * 2 * kPanel, 0, 1);
+      __builtin_prefetch(ahead + (j + 1) * 2 * kPanel, 0, 1);
+    }
     for (int r = 0; r < R; ++r) {
       const uint16_t* xr = x + r * x_stride + 2 * j;
       acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_set1_epi32(pair_at(xr)), w0);
@@ -184,17 +198,23 @@ QSPEC_TARGET_BF16_DOT QSPEC_INLINE void panel_tile_dot(const uint16_t* __restric
 
 QSPEC_TARGET_BF16_DOT void panel_rows_dot(const uint16_t* x, int64_t x_stride, const uint16_t* packed, int64_t K,
                                           int64_t N, int64_t p, int64_t row, int64_t rows, c10::BFloat16* out) {
-  const uint16_t* panel = packed + p * ((K + 1) / 2 * 2) * kPanel;
+  const int64_t panel_size = (K + 1) / 2 * 2 * kPanel;  // in bf16s
+  const uint16_t* panel = packed + p * panel_size;
   const int64_t columns = std::min(kPanel, N - p * kPanel);
   c10::BFloat16* dst = out + row * N + p * kPanel;
   const uint16_t* src = x + row * x_stride;
+  const uint16_t* ahead = panel + panel_size;  // the next panel, fetched while the first tile computes
   int64_t r = 0;
-  for (; r + kTileRows <= rows; r += kTileRows)
-    panel_tile_dot<kTileRows>(src + r * x_stride, x_stride, panel, K, dst + r * N, N, columns);
+  for (; r + kDotTileRows <= rows; r += kDotTileRows, ahead = nullptr)
+    panel_tile_dot<kDotTileRows>(src + r * x_stride, x_stride, panel, K, dst + r * N, N, columns, ahead);
   switch (rows - r) {
-    case 3: panel_tile_dot<3>(src + r * x_stride, x_stride, panel, K, dst + r * N, N, columns); break;
-    case 2: panel_tile_dot<2>(src + r * x_stride, x_stride, panel, K, dst + r * N, N, columns); break;
-    case 1: panel_tile_dot<1>(src + r * x_stride, x_stride, panel, K, dst + r * N, N, columns); break;
+    case 7: panel_tile_dot<7>(src + r * x_stride, x_stride, panel, K, dst + r * N, N, columns, ahead); break;
+    case 6: panel_tile_dot<6>(src + r * x_stride, x_stride, panel, K, dst + r * N, N, columns, ahead); break;
+    case 5: panel_tile_dot<5>(src + r * x_stride, x_stride, panel, K, dst + r * N, N, columns, ahead); break;
+    case 4: panel_tile_dot<4>(src + r * x_stride, x_stride, panel, K, dst + r * N, N, columns, ahead); break;
+    case 3: panel_tile_dot<3>(src + r * x_stride, x_stride, panel, K, dst + r * N, N, columns, ahead); break;
+    case 2: panel_tile_dot<2>(src + r * x_stride, x_stride, panel, K, dst + r * N, N, columns, ahead); break;
+    case 1: panel_tile_dot<1>(src + r * x_stride, x_stride, panel, K, dst + r * N, N, columns, ahead); break;
     default: break;
   }
 }
