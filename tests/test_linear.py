@@ -89,7 +89,8 @@ def test_fp16_and_other_dtypes_are_not_packed():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 4, 17, 130])  # register tiles of 4 rows and their tails, blocks of 64
+# register tiles of 4 rows (AVX512-BF16: 8) and every tail, blocks of 64 rows
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 13, 17, 130])
 @pytest.mark.parametrize("out_features", [16, 80, 1000])
 @pytest.mark.parametrize("in_features", [48, 46, 47])  # bf16: pairs of pairs, one pair over, an odd input
 def test_packed_linear_op_equals_the_reference(dtype, rows, out_features, in_features):
