@@ -25,7 +25,8 @@
 #include "checks.h"
 #include "cpu_common.h"
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// GCC on x86-64, as the target clones (cpu_common.h): a target attribute and __builtin_cpu_supports.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #include <immintrin.h>
 #define QSPEC_BF16_DOT 1
 #define QSPEC_TARGET_BF16_DOT __attribute__((target("avx512f,avx512bf16")))

@@ -4,8 +4,9 @@ On CPU, inference runs on a copy of each weight packed into panels of 16 output 
 (:func:`pack_weight`), by the op ``qspec_ext.ops.packed_linear`` (C++, eager and compiled alike): a
 decode step's GEMM has a few rows, so it streams each panel once and every weight loaded serves all
 the rows; bf16 runs AVX512-BF16 dot products where the CPU has them, else widens the weights in
-registers, so bf16 streams half the bytes of fp32 on any x86 CPU. (Before, oneDNN's packed weights: on CPUs without AVX-512 oneDNN keeps the plain layout, has no
-bf16 kernels and costs 50-100 us a call; see benchmarks/HISTORY.md.) ``pack_linears(model)`` packs at
+registers, so bf16 streams half the bytes of fp32 on any x86 CPU. (Before, oneDNN's packed weights:
+on CPUs without AVX-512 oneDNN keeps the plain layout, has no bf16 kernels and costs 50-100 us a
+call; see benchmarks/HISTORY.md.) ``pack_linears(model)`` packs at
 ``setup``; autograd, autocast, CUDA and fp16 run ``F.linear`` on the weight itself, which stays the
 one source of truth (a weight changed after packing is noticed and used unpacked until the next
 ``setup`` packs it again).
