@@ -23,8 +23,8 @@ from common import CHECK_TOLERANCE, Row, add_common_args, compiled, finish, time
 from qspec_ext.models.linear import Linear, pack_linears
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+COLD_BYTES = 256 * 1024 * 1024  # --cold: copies of a layer enough for this many bytes of weights
 # name -> [(projection, in_features, out_features)]
-COLD_BYTES = 256 * 1024 * 1024
 MODELS = {
     "smollm2": [("qkv", 576, 960), ("o", 576, 576), ("gate_up", 576, 3072), ("down", 1536, 576),
                 ("lm_head", 576, 49152)],

@@ -68,156 +68,156 @@ QSPEC_INLINE void store_tile(const Lanes8 (&acc)[R][2], T* __restrict__ out, int
   }
 }
 
-// out rows [0, R) x the panel's valid columns = x rows [0, R) (fp32, row stride x_stride) @ the panel.
-template <int R, typename T>
-QSPEC_INLINE void panel_tile(const float* __restrict__ x, int64_t x_stride, const float* __restrict__ panel,
-                             int64_t K, T* __restrict__ out, int64_t out_stride, int64_t columns, const float* ahead) {
-  Lanes8 acc[R][2] = {};
-  for (int64_t k = 0; k < K; ++k) {
-    const Lanes8 w0 = load8(panel + k * kPanel), w1 = load8(panel + k * kPanel + 8);
-    if (ahead != nullptr) __builtin_prefetch(ahead + k * kPanel, 0, 1);
-    for (int r = 0; r < R; ++r) {
-      const float v = x[r * x_stride + k];
-      acc[r][0] += v * w0;
-      acc[r][1] += v * w1;
+// Register tiles of fp32 multiply-adds (fp32 weights, or bf16 ones widened), kRows rows at most.
+// run<R>: out rows [0, R) x the panel's valid columns = x rows [0, R) (fp32, row stride x_stride) @
+// the panel; a tile given `ahead` (the next panel) prefetches it, one line per line it reads.
+struct Fp32Tiles {
+  static constexpr int kRows = kTileRows;
+
+  template <int R, typename T>
+  QSPEC_INLINE static void run(const float* __restrict__ x, int64_t x_stride, const float* __restrict__ panel,
+                               int64_t K, T* __restrict__ out, int64_t out_stride, int64_t columns, const float* ahead) {
+    Lanes8 acc[R][2] = {};
+    for (int64_t k = 0; k < K; ++k) {
+      const Lanes8 w0 = load8(panel + k * kPanel), w1 = load8(panel + k * kPanel + 8);
+      if (ahead != nullptr) __builtin_prefetch(ahead + k * kPanel, 0, 1);
+      for (int r = 0; r < R; ++r) {
+        const float v = x[r * x_stride + k];
+        acc[r][0] += v * w0;
+        acc[r][1] += v * w1;
+      }
     }
+    store_tile<R>(acc, out, out_stride, columns);
   }
-  store_tile<R>(acc, out, out_stride, columns);
+
+  // A bf16 panel, its pairs widened in registers: bf16 is the top half of an fp32, so the low half
+  // of a lane (input k) shifted up and the high half (input k + 1) masked are the two fp32s.
+  template <int R, typename T>
+  QSPEC_INLINE static void run(const float* __restrict__ x, int64_t x_stride, const c10::BFloat16* __restrict__ panel,
+                               int64_t K, T* __restrict__ out, int64_t out_stride, int64_t columns,
+                               const c10::BFloat16* ahead) {
+    Lanes8 acc[R][2] = {};
+    const Words8 high = Words8{} + 0xFFFF0000u;
+    for (int64_t k = 0; k < K; k += 2) {
+      Words8 w0, w1;
+      std::memcpy(&w0, panel + k * kPanel, sizeof w0);
+      std::memcpy(&w1, panel + k * kPanel + kPanel, sizeof w1);
+      if (ahead != nullptr) __builtin_prefetch(ahead + k * kPanel, 0, 1);
+      const Lanes8 even0 = as_lanes(w0 << 16), even1 = as_lanes(w1 << 16);
+      for (int r = 0; r < R; ++r) {
+        const float v = x[r * x_stride + k];
+        acc[r][0] += v * even0;
+        acc[r][1] += v * even1;
+      }
+      if (k + 1 == K) break;  // an odd K: the last pair's high halves are padding
+      const Lanes8 odd0 = as_lanes(w0 & high), odd1 = as_lanes(w1 & high);
+      for (int r = 0; r < R; ++r) {
+        const float v = x[r * x_stride + k + 1];
+        acc[r][0] += v * odd0;
+        acc[r][1] += v * odd1;
+      }
+    }
+    store_tile<R>(acc, out, out_stride, columns);
+  }
+};
+
+// Tiles::run<left> for the rows a panel's whole tiles leave (0 < left < Tiles::kRows).
+template <typename Tiles, int R, typename X, typename W, typename T>
+QSPEC_INLINE void tail_tile(int64_t left, const X* x, int64_t x_stride, const W* panel, int64_t K, T* out,
+                            int64_t out_stride, int64_t columns, const W* ahead) {
+  if constexpr (R > 0) {
+    if (left == R)
+      Tiles::template run<R>(x, x_stride, panel, K, out, out_stride, columns, ahead);
+    else
+      tail_tile<Tiles, R - 1>(left, x, x_stride, panel, K, out, out_stride, columns, ahead);
+  }
 }
 
-// The same for a bf16 panel, its pairs widened in registers: bf16 is the top half of an fp32, so the
-// low half of a lane (input k) shifted up and the high half (input k + 1) masked are the two fp32s.
-template <int R, typename T>
-QSPEC_INLINE void panel_tile(const float* __restrict__ x, int64_t x_stride, const c10::BFloat16* __restrict__ panel,
-                             int64_t K, T* __restrict__ out, int64_t out_stride, int64_t columns,
-                             const c10::BFloat16* ahead) {
-  Lanes8 acc[R][2] = {};
-  const Words8 high = Words8{} + 0xFFFF0000u;
-  for (int64_t k = 0; k < K; k += 2) {
-    Words8 w0, w1;
-    std::memcpy(&w0, panel + k * kPanel, sizeof w0);
-    std::memcpy(&w1, panel + k * kPanel + kPanel, sizeof w1);
-    if (ahead != nullptr) __builtin_prefetch(ahead + k * kPanel, 0, 1);
-    const Lanes8 even0 = as_lanes(w0 << 16), even1 = as_lanes(w1 << 16);
-    for (int r = 0; r < R; ++r) {
-      const float v = x[r * x_stride + k];
-      acc[r][0] += v * even0;
-      acc[r][1] += v * even1;
-    }
-    if (k + 1 == K) break;  // an odd K: the last pair's high halves are padding
-    const Lanes8 odd0 = as_lanes(w0 & high), odd1 = as_lanes(w1 & high);
-    for (int r = 0; r < R; ++r) {
-      const float v = x[r * x_stride + k + 1];
-      acc[r][0] += v * odd0;
-      acc[r][1] += v * odd1;
-    }
-  }
-  store_tile<R>(acc, out, out_stride, columns);
-}
-
-// Rows [row, row + rows) of the output, columns of panel p. The first tile also prefetches the next
-// panel (one cache line per line it reads), so the weights stream while the tiles compute.
-template <typename W, typename T>
-QSPEC_INLINE void panel_rows_impl(const float* x, int64_t x_stride, const W* packed, int64_t K, int64_t N, int64_t p,
+// Rows [row, row + rows) of the output, columns of panel p: tiles of Tiles::kRows rows, then one
+// smaller tile; the first prefetches the next panel, so the weights stream while the tiles compute.
+template <typename Tiles, typename X, typename W, typename T>
+QSPEC_INLINE void panel_rows_impl(const X* x, int64_t x_stride, const W* packed, int64_t K, int64_t N, int64_t p,
                                   int64_t row, int64_t rows, T* out) {
   const int64_t panel_size = (K + kGroup<W> - 1) / kGroup<W> * kGroup<W> * kPanel;
   const W* panel = packed + p * panel_size;
   const int64_t columns = std::min(kPanel, N - p * kPanel);
   T* dst = out + row * N + p * kPanel;
-  const float* src = x + row * x_stride;
+  const X* src = x + row * x_stride;
   const W* ahead = panel + panel_size;
   int64_t r = 0;
-  for (; r + kTileRows <= rows; r += kTileRows, ahead = nullptr)
-    panel_tile<kTileRows>(src + r * x_stride, x_stride, panel, K, dst + r * N, N, columns, ahead);
-  switch (rows - r) {
-    case 3: panel_tile<3>(src + r * x_stride, x_stride, panel, K, dst + r * N, N, columns, ahead); break;
-    case 2: panel_tile<2>(src + r * x_stride, x_stride, panel, K, dst + r * N, N, columns, ahead); break;
-    case 1: panel_tile<1>(src + r * x_stride, x_stride, panel, K, dst + r * N, N, columns, ahead); break;
-    default: break;
-  }
+  for (; r + Tiles::kRows <= rows; r += Tiles::kRows, ahead = nullptr)
+    Tiles::template run<Tiles::kRows>(src + r * x_stride, x_stride, panel, K, dst + r * N, N, columns, ahead);
+  tail_tile<Tiles, Tiles::kRows - 1>(rows - r, src + r * x_stride, x_stride, panel, K, dst + r * N, N, columns,
+                                     ahead);
 }
 
 QSPEC_CPU_CLONES void panel_rows(const float* x, int64_t x_stride, const float* packed, int64_t K, int64_t N,
                                  int64_t p, int64_t row, int64_t rows, float* out) {
-  panel_rows_impl(x, x_stride, packed, K, N, p, row, rows, out);
+  panel_rows_impl<Fp32Tiles>(x, x_stride, packed, K, N, p, row, rows, out);
 }
 QSPEC_CPU_CLONES void panel_rows(const float* x, int64_t x_stride, const c10::BFloat16* packed, int64_t K, int64_t N,
                                  int64_t p, int64_t row, int64_t rows, c10::BFloat16* out) {
-  panel_rows_impl(x, x_stride, packed, K, N, p, row, rows, out);
+  panel_rows_impl<Fp32Tiles>(x, x_stride, packed, K, N, p, row, rows, out);
 }
 
 #if QSPEC_BF16_DOT
-// A bf16 tile with vdpbf16ps: each lane adds x[k] * w[k] + x[k + 1] * w[k + 1] (products exact in fp32)
-// for the pair broadcast from the bf16 row. Two accumulators per row (even and odd pairs) so that even
-// one row keeps two dot products in flight.
 QSPEC_TARGET_BF16_DOT QSPEC_INLINE uint32_t pair_at(const uint16_t* p) {
   uint32_t v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
-template <int R>
-QSPEC_TARGET_BF16_DOT QSPEC_INLINE void panel_tile_dot(const uint16_t* __restrict__ x, int64_t x_stride,
-                                                       const uint16_t* __restrict__ panel, int64_t K,
-                                                       c10::BFloat16* __restrict__ out, int64_t out_stride,
-                                                       int64_t columns, const uint16_t* ahead) {
-  __m512 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  const int64_t pairs = K / 2;  // whole pairs; an odd K's last input is paired with the padding below
-  int64_t j = 0;
-  for (; j + 2 <= pairs; j += 2) {
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + j * 2 * kPanel);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + (j + 1) * 2 * kPanel);
-    if (ahead != nullptr) {
-      __builtin_prefetch(ahead + j * 2 * kPanel, 0, 1);
-      __builtin_prefetch(ahead + (j + 1) * 2 * kPanel, 0, 1);
-    }
-    for (int r = 0; r < R; ++r) {
-      const uint16_t* xr = x + r * x_stride + 2 * j;
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_set1_epi32(pair_at(xr)), w0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)_mm512_set1_epi32(pair_at(xr + 2)), w1);
-    }
-  }
-  if (j < pairs) {
-    const __m512bh w = (__m512bh)_mm512_loadu_si512(panel + j * 2 * kPanel);
-    for (int r = 0; r < R; ++r)
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_set1_epi32(pair_at(x + r * x_stride + 2 * j)), w);
-  }
-  if (K % 2) {  // x[K - 1] with a zero beside it (x[K] is past the row)
-    const __m512bh w = (__m512bh)_mm512_loadu_si512(panel + pairs * 2 * kPanel);
-    for (int r = 0; r < R; ++r) {
-      const uint32_t last = x[r * x_stride + K - 1];
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)_mm512_set1_epi32(static_cast<int>(last)), w);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    float row[kPanel];
-    _mm512_storeu_ps(row, _mm512_add_ps(acc[r][0], acc[r][1]));
-    for (int64_t c = 0; c < columns; ++c) out[r * out_stride + c] = static_cast<c10::BFloat16>(row[c]);
-  }
-}
+// Register tiles of vdpbf16ps on bf16 rows, as Fp32Tiles: each lane adds x[k] * w[k] + x[k + 1] *
+// w[k + 1] (products exact in fp32) for the pair broadcast from the row. Two accumulators per row
+// (even and odd pairs), so that even one row keeps two dot products in flight. run is not inlined
+// into the shared row loop (compiled for any x86-64): a call per tile.
+struct DotTiles {
+  static constexpr int kRows = kDotTileRows;
 
-QSPEC_TARGET_BF16_DOT void panel_rows_dot(const uint16_t* x, int64_t x_stride, const uint16_t* packed, int64_t K,
-                                          int64_t N, int64_t p, int64_t row, int64_t rows, c10::BFloat16* out) {
-  const int64_t panel_size = (K + 1) / 2 * 2 * kPanel;  // in bf16s
-  const uint16_t* panel = packed + p * panel_size;
-  const int64_t columns = std::min(kPanel, N - p * kPanel);
-  c10::BFloat16* dst = out + row * N + p * kPanel;
-  const uint16_t* src = x + row * x_stride;
-  const uint16_t* ahead = panel + panel_size;  // the next panel, fetched while the first tile computes
-  int64_t r = 0;
-  for (; r + kDotTileRows <= rows; r += kDotTileRows, ahead = nullptr)
-    panel_tile_dot<kDotTileRows>(src + r * x_stride, x_stride, panel, K, dst + r * N, N, columns, ahead);
-  switch (rows - r) {
-    case 7: panel_tile_dot<7>(src + r * x_stride, x_stride, panel, K, dst + r * N, N, columns, ahead); break;
-    case 6: panel_tile_dot<6>(src + r * x_stride, x_stride, panel, K, dst + r * N, N, columns, ahead); break;
-    case 5: panel_tile_dot<5>(src + r * x_stride, x_stride, panel, K, dst + r * N, N, columns, ahead); break;
-    case 4: panel_tile_dot<4>(src + r * x_stride, x_stride, panel, K, dst + r * N, N, columns, ahead); break;
-    case 3: panel_tile_dot<3>(src + r * x_stride, x_stride, panel, K, dst + r * N, N, columns, ahead); break;
-    case 2: panel_tile_dot<2>(src + r * x_stride, x_stride, panel, K, dst + r * N, N, columns, ahead); break;
-    case 1: panel_tile_dot<1>(src + r * x_stride, x_stride, panel, K, dst + r * N, N, columns, ahead); break;
-    default: break;
+  template <int R>
+  QSPEC_TARGET_BF16_DOT static void run(const uint16_t* __restrict__ x, int64_t x_stride,
+                                        const uint16_t* __restrict__ panel, int64_t K, c10::BFloat16* __restrict__ out,
+                                        int64_t out_stride, int64_t columns, const uint16_t* ahead) {
+    __m512 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const int64_t pairs = K / 2;  // whole pairs; an odd K's last input is paired with the padding below
+    int64_t j = 0;
+    for (; j + 2 <= pairs; j += 2) {
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + j * 2 * kPanel);
+      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + (j + 1) * 2 * kPanel);
+      if (ahead != nullptr) {
+        __builtin_prefetch(ahead + j * 2 * kPanel, 0, 1);
+        __builtin_prefetch(ahead + (j + 1) * 2 * kPanel, 0, 1);
+      }
+      for (int r = 0; r < R; ++r) {
+        const uint16_t* xr = x + r * x_stride + 2 * j;
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_set1_epi32(pair_at(xr)), w0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)_mm512_set1_epi32(pair_at(xr + 2)), w1);
+      }
+    }
+    if (j < pairs) {
+      const __m512bh w = (__m512bh)_mm512_loadu_si512(panel + j * 2 * kPanel);
+      for (int r = 0; r < R; ++r)
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_set1_epi32(pair_at(x + r * x_stride + 2 * j)), w);
+    }
+    if (K % 2) {  // x[K - 1] with a zero beside it (x[K] is past the row)
+      const __m512bh w = (__m512bh)_mm512_loadu_si512(panel + pairs * 2 * kPanel);
+      for (int r = 0; r < R; ++r) {
+        const uint32_t last = x[r * x_stride + K - 1];
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)_mm512_set1_epi32(static_cast<int>(last)), w);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      float row[kPanel];
+      _mm512_storeu_ps(row, _mm512_add_ps(acc[r][0], acc[r][1]));
+      for (int64_t c = 0; c < columns; ++c) out[r * out_stride + c] = static_cast<c10::BFloat16>(row[c]);
+    }
   }
+};
+
+void panel_rows(const uint16_t* x, int64_t x_stride, const uint16_t* packed, int64_t K, int64_t N, int64_t p,
+                int64_t row, int64_t rows, c10::BFloat16* out) {
+  panel_rows_impl<DotTiles>(x, x_stride, packed, K, N, p, row, rows, out);
 }
 #endif
 
@@ -233,16 +233,16 @@ bool detect_bf16_dot() {
 #endif
 }
 
-// Runs fn(first, last) over the work items (panel, block of rows): panel-major, so a thread's
+// out = x @ the packed weight, over work items (panel, block of rows): panel-major, so a thread's
 // consecutive items reuse one panel over the row blocks.
-template <typename Fn>
-void for_each_item(int64_t M, int64_t K, int64_t panels, const Fn& fn) {
-  const int64_t row_blocks = (M + kBlockRows - 1) / kBlockRows;
+template <typename X, typename W, typename T>
+void packed_gemm(const X* x, int64_t x_stride, const W* packed, int64_t M, int64_t K, int64_t N, T* out) {
+  const int64_t panels = (N + kPanel - 1) / kPanel, row_blocks = (M + kBlockRows - 1) / kBlockRows;
   const int64_t item_work = std::min(M, kBlockRows) * K * kPanel;
   at::parallel_for(0, panels * row_blocks, grain_for(item_work), [&](int64_t first, int64_t last) {
     for (int64_t item = first; item < last; ++item) {
       const int64_t row = (item % row_blocks) * kBlockRows;
-      fn(item / row_blocks, row, std::min(kBlockRows, M - row));
+      panel_rows(x, x_stride, packed, K, N, item / row_blocks, row, std::min(kBlockRows, M - row), out);
     }
   });
 }
@@ -270,36 +270,25 @@ at::Tensor packed_linear_cpu(const at::Tensor& input, const at::Tensor& packed_w
   QSPEC_CHECK(packed_weight.is_contiguous(), kOp, "packed_weight", "must be contiguous, got strides ",
               packed_weight.strides());
   at::Tensor out = at::empty({input.size(0), out_features}, input.options());
-  const int64_t M = input.size(0), N = out_features, panels = packed_weight.size(0);
+  const int64_t M = input.size(0), N = out_features;
   if (M == 0 || K == 0) return out.zero_();
 #if QSPEC_BF16_DOT
   if (input.scalar_type() == at::kBFloat16 && kBf16Dot) {
     const at::Tensor x = input.stride(1) == 1 ? input : input.contiguous();
-    const auto* xs = reinterpret_cast<const uint16_t*>(x.const_data_ptr<c10::BFloat16>());
-    const auto* packed = reinterpret_cast<const uint16_t*>(packed_weight.const_data_ptr<c10::BFloat16>());
-    c10::BFloat16* dst = out.mutable_data_ptr<c10::BFloat16>();
-    for_each_item(M, K, panels, [&](int64_t p, int64_t row, int64_t rows) {
-      panel_rows_dot(xs, x.stride(0), packed, K, N, p, row, rows, dst);
-    });
+    packed_gemm(reinterpret_cast<const uint16_t*>(x.const_data_ptr<c10::BFloat16>()), x.stride(0),
+                reinterpret_cast<const uint16_t*>(packed_weight.const_data_ptr<c10::BFloat16>()), M, K, N,
+                out.mutable_data_ptr<c10::BFloat16>());
     return out;
   }
 #endif
   // The rows in fp32 with unit column stride (a bf16 input is widened once, not per panel).
   const at::Tensor x = input.scalar_type() == at::kFloat && input.stride(1) == 1 ? input : input.to(at::kFloat).contiguous();
-  const float* xs = x.const_data_ptr<float>();
-  if (input.scalar_type() == at::kFloat) {
-    const float* packed = packed_weight.const_data_ptr<float>();
-    float* dst = out.mutable_data_ptr<float>();
-    for_each_item(M, K, panels, [&](int64_t p, int64_t row, int64_t rows) {
-      panel_rows(xs, x.stride(0), packed, K, N, p, row, rows, dst);
-    });
-  } else {
-    const c10::BFloat16* packed = packed_weight.const_data_ptr<c10::BFloat16>();
-    c10::BFloat16* dst = out.mutable_data_ptr<c10::BFloat16>();
-    for_each_item(M, K, panels, [&](int64_t p, int64_t row, int64_t rows) {
-      panel_rows(xs, x.stride(0), packed, K, N, p, row, rows, dst);
-    });
-  }
+  if (input.scalar_type() == at::kFloat)
+    packed_gemm(x.const_data_ptr<float>(), x.stride(0), packed_weight.const_data_ptr<float>(), M, K, N,
+                out.mutable_data_ptr<float>());
+  else
+    packed_gemm(x.const_data_ptr<float>(), x.stride(0), packed_weight.const_data_ptr<c10::BFloat16>(), M, K, N,
+                out.mutable_data_ptr<c10::BFloat16>());
   return out;
 }
 
