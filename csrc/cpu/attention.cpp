@@ -1,8 +1,10 @@
 // CPU kernel of cached decode attention. Work items are (request, key split): an item reads its
 // slice of the request's used key slots once, in blocks of kKeyBlock slots (each slot whole: all
 // KV heads, one contiguous row, so the hardware streams it), for all the request's queries (the
-// T tokens x the query heads), with an online softmax in fp32. A second pass merges the splits'
-// partial (max, sum, accumulator) states into the output.
+// T tokens x the query heads), with an online softmax in fp32; a KV head's queries go through a
+// block in register tiles of kTileQueries, which share each key and value they load. Where keys
+// were split, a second pass merges the splits' partial (max, sum, accumulator) states into the
+// output; unsplit, each item writes its own.
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -63,16 +65,6 @@ QSPEC_INLINE float block_fold(const float* __restrict__ w, Op op) {
 
 typedef int32_t LaneIndex8 __attribute__((vector_size(32)));
 
-// a . b over n: 8-lane partial sums, then their horizontal sum.
-QSPEC_INLINE float dot(const float* __restrict__ a, const float* __restrict__ b, int64_t n) {
-  Lanes8 acc = {};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc += load8(a + i) * load8(b + i);
-  float total = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-  for (; i < n; ++i) total += a[i] * b[i];
-  return total;
-}
-
 // Lanes of x and y, pairwise: out = x[even] + x[odd] in lanes 2i, y's in 2i + 1 (and the same
 // shape one level up): three levels turn 8 vectors of partial sums into one vector of 8 totals,
 // 7 adds instead of 8 horizontal sums.
@@ -89,44 +81,76 @@ QSPEC_INLINE Lanes8 add_halves(Lanes8 x, Lanes8 y) {
          __builtin_shuffle(x, y, LaneIndex8{4, 5, 6, 7, 12, 13, 14, 15});
 }
 
-// scores[k] = q . keys[k * stride] over D for 8 keys at once.
-QSPEC_INLINE void dot8(const float* __restrict__ q, const float* __restrict__ keys, int64_t stride, int64_t D,
-                       float* __restrict__ scores) {
-  Lanes8 acc[8] = {};
+// Queries per register tile: the tile's rows share every key and value they load.
+constexpr int kTileQueries = 2;
+
+// scores[r * kKeyBlock + k] = q_r . keys[k * stride] over D, for the tile's R query rows (row
+// stride D) and keys [0, n), n <= 8. Eight keys: R x 8 partial-sum vectors, summed by lanes.
+template <int R>
+QSPEC_INLINE void score_tile(const float* __restrict__ q, const float* __restrict__ keys, int64_t stride, int64_t n,
+                             int64_t D, float* __restrict__ scores) {
+  if (n < 8) {  // a split's last keys
+    for (int r = 0; r < R; ++r)
+      for (int64_t k = 0; k < n; ++k) {
+        float total = 0.f;
+        for (int64_t d = 0; d < D; ++d) total += q[r * D + d] * keys[k * stride + d];
+        scores[r * kKeyBlock + k] = total;
+      }
+    return;
+  }
+  Lanes8 acc[R][8] = {};
   int64_t i = 0;
   for (; i + 8 <= D; i += 8) {
-    const Lanes8 x = load8(q + i);
-    for (int k = 0; k < 8; ++k) acc[k] += x * load8(keys + k * stride + i);
+    Lanes8 x[R];
+    for (int r = 0; r < R; ++r) x[r] = load8(q + r * D + i);
+    for (int k = 0; k < 8; ++k) {
+      const Lanes8 key = load8(keys + k * stride + i);
+      for (int r = 0; r < R; ++r) acc[r][k] += x[r] * key;
+    }
   }
-  const Lanes8 totals = add_halves(add_quads(add_pairs(acc[0], acc[1]), add_pairs(acc[2], acc[3])),
-                                   add_quads(add_pairs(acc[4], acc[5]), add_pairs(acc[6], acc[7])));
-  for (int k = 0; k < 8; ++k) {
-    float total = totals[k];
-    for (int64_t d = i; d < D; ++d) total += q[d] * keys[k * stride + d];
-    scores[k] = total;
+  for (int r = 0; r < R; ++r) {
+    const Lanes8 totals = add_halves(add_quads(add_pairs(acc[r][0], acc[r][1]), add_pairs(acc[r][2], acc[r][3])),
+                                     add_quads(add_pairs(acc[r][4], acc[r][5]), add_pairs(acc[r][6], acc[r][7])));
+    std::memcpy(scores + r * kKeyBlock, &totals, sizeof totals);
+    for (int64_t d = i; d < D; ++d)  // a head_dim that is not a multiple of 8
+      for (int k = 0; k < 8; ++k) scores[r * kKeyBlock + k] += q[r * D + d] * keys[k * stride + d];
   }
 }
 
-// acc[D] += sum_j w[j] * values[j * stride + d] over the block's n keys. The accumulator is held
-// kValueChunk dims at a time in registers across the keys (read and written once per block).
-constexpr int64_t kValueChunk = 64;
-QSPEC_INLINE void accumulate_values(const float* __restrict__ w, const float* __restrict__ values, int64_t stride,
-                                    int64_t n, int64_t D, float* __restrict__ acc) {
-  int64_t d0 = 0;
-  for (; d0 + kValueChunk <= D; d0 += kValueChunk) {
-    float a[kValueChunk];
-    for (int64_t l = 0; l < kValueChunk; ++l) a[l] = acc[d0 + l];
-    for (int64_t j = 0; j < n; ++j) {
-      const float wj = w[j];
-      if (wj == 0.f) continue;  // an unseen key (its value is never read) or one that underflowed
-      const float* v = values + j * stride + d0;
-      for (int64_t l = 0; l < kValueChunk; ++l) a[l] += wj * v[l];
+// acc_r[d] += sum_j w[r * kKeyBlock + j] * values[j * stride + d] over the block's n keys, for the
+// tile's R accumulator rows (row stride acc_stride). Held in registers kValueLanes dims at a time
+// (read and written once a block); a key no row weighs is skipped: its value is never read (an
+// unseen slot may hold anything).
+template <int R, int kVectors>
+QSPEC_INLINE void value_chunk(const float* __restrict__ w, const float* __restrict__ values, int64_t stride, int64_t n,
+                              float* __restrict__ acc, int64_t acc_stride) {
+  Lanes8 a[R][kVectors];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kVectors; ++c) a[r][c] = load8(acc + r * acc_stride + 8 * c);
+  for (int64_t j = 0; j < n; ++j) {
+    bool weighed = false;
+    for (int r = 0; r < R; ++r) weighed |= w[r * kKeyBlock + j] != 0.f;
+    if (!weighed) continue;
+    for (int c = 0; c < kVectors; ++c) {
+      const Lanes8 v = load8(values + j * stride + 8 * c);
+      for (int r = 0; r < R; ++r) a[r][c] += w[r * kKeyBlock + j] * v;
     }
-    for (int64_t l = 0; l < kValueChunk; ++l) acc[d0 + l] = a[l];
   }
-  for (int64_t j = 0; j < n; ++j)
-    if (w[j] != 0.f)
-      for (int64_t d = d0; d < D; ++d) acc[d] += w[j] * values[j * stride + d];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kVectors; ++c) std::memcpy(acc + r * acc_stride + 8 * c, &a[r][c], sizeof a[r][c]);
+}
+
+template <int R>
+QSPEC_INLINE void value_tile(const float* __restrict__ w, const float* __restrict__ values, int64_t stride, int64_t n,
+                             int64_t D, float* __restrict__ acc, int64_t acc_stride) {
+  int64_t d0 = 0;
+  for (; d0 + 32 <= D; d0 += 32) value_chunk<R, 4>(w, values + d0, stride, n, acc + d0, acc_stride);
+  for (; d0 + 8 <= D; d0 += 8) value_chunk<R, 1>(w, values + d0, stride, n, acc + d0, acc_stride);
+  if (d0 == D) return;
+  for (int r = 0; r < R; ++r)
+    for (int64_t j = 0; j < n; ++j)
+      if (w[r * kKeyBlock + j] != 0.f)
+        for (int64_t d = d0; d < D; ++d) acc[r * acc_stride + d] += w[r * kKeyBlock + j] * values[j * stride + d];
 }
 
 // The online-softmax state of one query: running max m, running sum l, accumulator acc[D].
@@ -139,11 +163,46 @@ QSPEC_INLINE void reset_states(float* state, int64_t count, int64_t width) {
   }
 }
 
+// One state row's update by a key block: scores of unseen keys masked, the running max and sum
+// moved, the accumulator rescaled; weights = the block's softmax numerators (0 for unseen keys).
+QSPEC_INLINE void online_softmax(float* __restrict__ scores, const char* __restrict__ sees, int64_t D,
+                                 float* __restrict__ row, float* __restrict__ weights) {
+  for (int64_t j = 0; j < kKeyBlock; ++j) scores[j] = sees[j] ? scores[j] : kNegInf;
+  const float block_max = block_fold(scores, [](float a, float b) { return std::max(a, b); });
+  if (block_max == kNegInf) {
+    std::fill_n(weights, kKeyBlock, 0.f);
+    return;
+  }
+  const float new_max = std::max(row[0], block_max);
+  const float correction = softmax_exp(row[0] - new_max);  // 0 while nothing was seen
+  if (correction != 1.f) {
+    row[1] *= correction;
+    for (int64_t d = 0; d < D; ++d) row[2 + d] *= correction;
+  }
+  for (int64_t j = 0; j < kKeyBlock; ++j) weights[j] = softmax_exp(scores[j] - new_max);  // unseen: 0
+  row[1] += block_fold(weights, [](float a, float b) { return a + b; });
+  row[0] = new_max;
+}
+
+// State rows [i, i + R) of KV head h (query rows q, state rows `state`) over one key block.
+template <int R>
+QSPEC_INLINE void attend_block_tile(const float* __restrict__ q, const float* __restrict__ keys,
+                                    const float* __restrict__ values, int64_t stride, int64_t n, int64_t D,
+                                    const char* const (&sees)[R], float* __restrict__ state) {
+  const int64_t width = D + 2;
+  // Scores past a block's n keys are never computed (masked: every row's sees is false there).
+  float scores[R * kKeyBlock] = {}, weights[R * kKeyBlock];
+  for (int64_t j = 0; j < n; j += 8) score_tile<R>(q, keys + j * stride, stride, std::min<int64_t>(8, n - j), D, scores + j);
+  for (int r = 0; r < R; ++r) online_softmax(scores + r * kKeyBlock, sees[r], D, state + r * width, weights + r * kKeyBlock);
+  value_tile<R>(weights, values, stride, n, D, state + 2, width);
+}
+
 // Keys [begin, end) of request b, every KV head, for all the request's queries. State row
-// (h * T + t) * G + g belongs to query head h * G + g of token t.
+// (h * T + t) * G + g belongs to query head h * G + g of token t: a KV head's T x G queries are
+// consecutive rows, taken kTileQueries at a time.
 template <typename T>
 QSPEC_INLINE void attend_keys_impl(const AttentionParams<T>& p, int64_t b, int64_t begin, int64_t end, float* state) {
-  const int64_t D = p.head_dim, G = p.heads_q / p.heads_kv, width = D + 2;
+  const int64_t D = p.head_dim, G = p.heads_q / p.heads_kv, queries = p.tokens * G, width = D + 2;
   const int64_t slot_stride = p.heads_kv * D;  // one slot: all KV heads
   reset_states(state, p.heads_q * p.tokens, width);
   if (begin >= end) return;
@@ -162,7 +221,6 @@ QSPEC_INLINE void attend_keys_impl(const AttentionParams<T>& p, int64_t b, int64
   // fp32 caches are read in place; others are converted a block (K then V) at a time.
   std::vector<float> converted(kFloat ? 0 : 2 * kKeyBlock * slot_stride);
   std::vector<char> active(p.tokens), seen(p.tokens * kKeyBlock);
-  float scores[kKeyBlock] = {}, weights[kKeyBlock];  // (scores past a block's n: never computed, masked)
   const int64_t first_slot = b * p.max_length;
   for (int64_t block = begin; block < end; block += kKeyBlock) {
     const int64_t n = std::min(kKeyBlock, end - block);
@@ -179,38 +237,26 @@ QSPEC_INLINE void attend_keys_impl(const AttentionParams<T>& p, int64_t b, int64
     for (int64_t t = 0; t < p.tokens; ++t) {
       const KeyRange range = ranges[t];
       active[t] = range.hi > block && range.lo < block + n;
-      for (int64_t j = 0; j < kKeyBlock && active[t]; ++j) {
+      for (int64_t j = 0; j < kKeyBlock; ++j) {
         const int64_t key = block + j;
-        seen[t * kKeyBlock + j] = j < n && key >= range.lo && key < range.hi && key_seen(p, b, t, key);
+        seen[t * kKeyBlock + j] =
+            active[t] && j < n && key >= range.lo && key < range.hi && key_seen(p, b, t, key);
       }
     }
     for (int64_t h = 0; h < p.heads_kv; ++h) {
-      for (int64_t t = 0; t < p.tokens; ++t) {
-        if (!active[t]) continue;
-        const char* sees = seen.data() + t * kKeyBlock;
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t i = (h * p.tokens + t) * G + g;
-          const float* qi = q.data() + i * D;
-          float* row = state + i * width;
-          float* acc = row + 2;
-          // Keys past the block's n slots are never read; an unseen key inside them may be
-          // (its slot is in the cache, any value), and its score is replaced.
-          int64_t j = 0;
-          for (; j + 8 <= n; j += 8) dot8(qi, keys + j * slot_stride + h * D, slot_stride, D, scores + j);
-          for (; j < n; ++j) scores[j] = dot(qi, keys + j * slot_stride + h * D, D);
-          for (j = 0; j < kKeyBlock; ++j) scores[j] = sees[j] ? scores[j] : kNegInf;
-          const float block_max = block_fold(scores, [](float a, float b) { return std::max(a, b); });
-          if (block_max == kNegInf) continue;
-          const float new_max = std::max(row[0], block_max);
-          const float correction = softmax_exp(row[0] - new_max);  // 0 while nothing was seen
-          if (correction != 1.f) {
-            row[1] *= correction;
-            for (int64_t d = 0; d < D; ++d) acc[d] *= correction;
-          }
-          for (int64_t j = 0; j < kKeyBlock; ++j) weights[j] = softmax_exp(scores[j] - new_max);  // unseen: 0
-          row[1] += block_fold(weights, [](float a, float b) { return a + b; });
-          accumulate_values(weights, values + h * D, slot_stride, n, D, acc);
-          row[0] = new_max;
+      const float *head_keys = keys + h * D, *head_values = values + h * D;
+      for (int64_t i = 0; i < queries; i += kTileQueries) {
+        const int64_t t0 = i / G, t1 = (i + 1) / G;  // the tokens of the tile's rows
+        const int64_t row = h * queries + i;
+        if (i + 1 < queries) {
+          if (!active[t0] && !active[t1]) continue;
+          const char* const sees[2] = {seen.data() + t0 * kKeyBlock, seen.data() + t1 * kKeyBlock};
+          attend_block_tile<2>(q.data() + row * D, head_keys, head_values, slot_stride, n, D, sees,
+                               state + row * width);
+        } else if (active[t0]) {
+          const char* const sees[1] = {seen.data() + t0 * kKeyBlock};
+          attend_block_tile<1>(q.data() + row * D, head_keys, head_values, slot_stride, n, D, sees,
+                               state + row * width);
         }
       }
     }
@@ -239,9 +285,13 @@ void merge_splits(const AttentionParams<T>& p, int64_t b, int64_t h, int64_t spl
   std::vector<float> merged(D);
   for (int64_t i = 0; i < queries; ++i) {
     const int64_t t = i / G, g = i % G;
+    T* out = p.out + ((b * p.tokens + t) * p.heads_q + h * G + g) * D;
     float top = kNegInf;
     for (int64_t s = 0; s < splits; ++s) top = std::max(top, states[s * split_stride + i * width]);
-    if (top == kNegInf) continue;  // sees no key: the output keeps its zeros
+    if (top == kNegInf) {  // sees no key (a padding query, or none in its range): zeros
+      std::fill_n(out, D, static_cast<T>(0.f));
+      continue;
+    }
     float total = 0.f;
     std::fill(merged.begin(), merged.end(), 0.f);
     for (int64_t s = 0; s < splits; ++s) {
@@ -251,7 +301,6 @@ void merge_splits(const AttentionParams<T>& p, int64_t b, int64_t h, int64_t spl
       total += row[1] * factor;
       for (int64_t d = 0; d < D; ++d) merged[d] += row[2 + d] * factor;
     }
-    T* out = p.out + ((b * p.tokens + t) * p.heads_q + h * G + g) * D;
     const float inv = 1.f / total;
     for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T>(merged[d] * inv);
   }
@@ -310,8 +359,12 @@ void cached_attention_cpu(const at::Tensor& query, const at::Tensor& k_cache, co
         const int64_t chunk = std::max<int64_t>(0, (u.hi - u.lo + splits - 1) / splits);
         const int64_t begin = u.lo + split * chunk, end = std::min(u.hi, begin + chunk);
         attend_keys(p, b, begin, end, states.data() + item * item_states);
+        if (splits == 1)  // the item's states are final: no merge pass
+          for (int64_t h = 0; h < s.heads_kv; ++h)
+            merge_splits(p, b, h, 1, states.data() + item * item_states + h * queries * width, item_states);
       }
     });
+    if (splits == 1) return;
     at::parallel_for(0, s.batch * s.heads_kv, grain_for(splits * queries * s.head_dim), [&](int64_t first, int64_t last) {
       for (int64_t group = first; group < last; ++group) {
         const int64_t b = group / s.heads_kv, h = group % s.heads_kv;
