@@ -180,7 +180,8 @@ run_step() {  # name, time limit in seconds, command...
 
 pytest=("$py" -m pytest -q -p no:cacheprovider)
 # One small shape per CUDA kernel (rms_norm, fused_add_rms_norm, eagle3_input_norm,
-# qk_norm_rope, gather_aux_hidden, verify row_stats + emit, tree token + walk, cached_attention):
+# qk_norm_rope, gather_aux_hidden, verify row_stats + emit, tree token + walk, cached_attention,
+# silu_and_mul):
 # racecheck and synccheck
 # slow kernels down by orders of magnitude, memcheck's broad selection would not fit.
 kernel_tests=(
@@ -193,6 +194,7 @@ kernel_tests=(
   "tests/test_verify.py::test_sampling_matches_reference[cuda-dtype2-d2t]"
   "tests/test_verify_tree.py::test_sampling_matches_reference[cuda-24-3-5-dtype1]"
   "tests/test_attention.py::test_draft_trees_match_the_reference[cuda-6-dtype1]"
+  "tests/test_activation.py::test_strided_rows[cuda]"
 )
 sanitize=(compute-sanitizer --error-exitcode 1 --tool)
 

@@ -93,6 +93,15 @@ at::Tensor check_rms_norm(const at::Tensor& input, const at::Tensor& weight) {
   return rows;
 }
 
+at::Tensor check_silu_and_mul(const at::Tensor& input) {
+  constexpr std::string_view op = "silu_and_mul";
+  check_activation(op, "input", input);
+  const at::Tensor rows = as_rows(op, "input", input);
+  QSPEC_CHECK(rows.size(1) % 2 == 0, op, "input",
+              "must have an even last dimension (the gate half, then the up half), got shape ", input.sizes());
+  return rows;
+}
+
 std::pair<at::Tensor, at::Tensor> check_fused_add_rms_norm(const at::Tensor& input, const at::Tensor& residual,
                                                            const at::Tensor& weight) {
   constexpr std::string_view op = "fused_add_rms_norm_";

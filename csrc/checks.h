@@ -143,6 +143,9 @@ AttentionShape check_cached_attention(const at::Tensor& query, const at::Tensor&
                                       const std::optional<at::Tensor>& tree_start,
                                       const std::optional<at::Tensor>& tree_seen);
 
+// silu_and_mul: input as [rows, 2I] (strided rows allowed), an even last dim (gate, then up).
+at::Tensor check_silu_and_mul(const at::Tensor& input);
+
 void check_eagle3_input_norm(const at::Tensor& embeds, const at::Tensor& hidden, const at::Tensor& embed_weight,
                              const at::Tensor& hidden_weight);
 

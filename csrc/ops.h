@@ -77,4 +77,9 @@ void cached_attention_cuda(const at::Tensor& query, const at::Tensor& k_cache, c
                            const std::optional<at::Tensor>& tree_start, const std::optional<at::Tensor>& tree_seen,
                            const AttentionShape& s, at::Tensor& out);
 
+// ---- activation: the gated MLP's silu(gate) * up ----
+// The device halves; the op entry point around them is a template in activation_entry.h.
+void silu_and_mul_cpu(const at::Tensor& rows, at::Tensor& out);
+void silu_and_mul_cuda(const at::Tensor& rows, at::Tensor& out);
+
 }  // namespace qspec_ext

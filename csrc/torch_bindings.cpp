@@ -62,6 +62,9 @@ TORCH_LIBRARY(qspec_ext, m) {
       "cached_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor positions, float scale, int window=0, "
       "Tensor? tree_start=None, Tensor? tree_seen=None) -> Tensor");
 
+  // The gated MLP's activation: input [..., 2I] = (gate, up) -> silu(gate) * up [..., I], in fp32.
+  m.def("silu_and_mul(Tensor input) -> Tensor");
+
   // input [M, K] @ W^T for W [N, K] packed in panels of 16 output columns, [ceil(N / 16), K, 16], zero past
   // N (CPU: the projections' inference path). Returns [M, out_features = N].
   m.def("packed_linear(Tensor input, Tensor packed_weight, int out_features) -> Tensor");

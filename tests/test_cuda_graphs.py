@@ -71,6 +71,11 @@ def attention_args(seed, tree):
     return [a["query"], a["k_cache"], a["v_cache"], a["positions"], a["scale"], 0, a["tree_start"], a["tree_seen"]]
 
 
+def silu_args(seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(7, 2 * 4096, generator=g).to(torch.bfloat16).cuda()]
+
+
 # (op, case id, inputs for a seed: the op's positional arguments)
 CASES = [
     ("rms_norm", "T7-H4096-bf16", lambda s: norm_args("rms_norm", s)),
@@ -82,6 +87,7 @@ CASES = [
     ("gather_aux_hidden_out", "n3-H4096-N5-fc_norm", lambda s: aux_args(s, out=True)),
     ("cached_attention", "B4-T4-Hq16-Hkv4-D128-L1024-bf16", lambda s: attention_args(s, tree=False)),
     ("cached_attention", "B4-T4-Hq16-Hkv4-D128-L1024-bf16-tree", lambda s: attention_args(s, tree=True)),
+    ("silu_and_mul", "T7-I4096-bf16", silu_args),
     ("verify_greedy", "B8-K4-V32000", lambda s: verify_args(s, sampling=False)),
     ("verify_greedy_out", "B8-K4-V32000", lambda s: verify_args(s, sampling=False, out=True)),
     ("verify_sampling", "B8-K4-V32000-d2t", lambda s: verify_args(s, sampling=True)),

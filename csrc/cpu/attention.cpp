@@ -5,7 +5,6 @@
 // block in register tiles of kTileQueries, which share each key and value they load. Where keys
 // were split, a second pass merges the splits' partial (max, sum, accumulator) states into the
 // output; unsplit, each item writes its own.
-#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -30,26 +29,6 @@ constexpr int64_t kKeyBlock = 32;
 // Fewest keys a split is given: below that a thread costs more than the keys it reads.
 constexpr int64_t kMinKeysPerSplit = 128;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// exp(x) for the softmax weights, written with plain float / int operations so that a loop of
-// them vectorizes (libm's expf does not): Cody-Waite range reduction x = n ln2 + r and Cephes'
-// degree-6 polynomial for e^r, within 2 ulp of expf; x below -87 (e^x under FLT_MIN, and -inf:
-// masked keys) gives 0.
-QSPEC_INLINE float softmax_exp(float x) {
-  const bool underflow = x < -87.f;
-  x = std::max(x, -87.f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-  float poly = 1.9875691500e-4f;
-  poly = poly * r + 1.3981999507e-3f;
-  poly = poly * r + 8.3334519073e-3f;
-  poly = poly * r + 4.1665795894e-2f;
-  poly = poly * r + 1.6666665459e-1f;
-  poly = poly * r + 5.0000001201e-1f;
-  const float er = poly * r * r + r + 1.f;
-  const float two_n = std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
-  return underflow ? 0.f : er * two_n;
-}
 
 // op over a block's kKeyBlock values, folded in halves (each fold vectorizes; a serial float
 // reduction would not).
@@ -174,12 +153,12 @@ QSPEC_INLINE void online_softmax(float* __restrict__ scores, const char* __restr
     return;
   }
   const float new_max = std::max(row[0], block_max);
-  const float correction = softmax_exp(row[0] - new_max);  // 0 while nothing was seen
+  const float correction = vec_exp(row[0] - new_max);  // 0 while nothing was seen
   if (correction != 1.f) {
     row[1] *= correction;
     for (int64_t d = 0; d < D; ++d) row[2 + d] *= correction;
   }
-  for (int64_t j = 0; j < kKeyBlock; ++j) weights[j] = softmax_exp(scores[j] - new_max);  // unseen: 0
+  for (int64_t j = 0; j < kKeyBlock; ++j) weights[j] = vec_exp(scores[j] - new_max);  // unseen: 0
   row[1] += block_fold(weights, [](float a, float b) { return a + b; });
   row[0] = new_max;
 }
@@ -297,7 +276,7 @@ void merge_splits(const AttentionParams<T>& p, int64_t b, int64_t h, int64_t spl
     for (int64_t s = 0; s < splits; ++s) {
       const float* row = states + s * split_stride + i * width;
       if (row[0] == kNegInf) continue;
-      const float factor = softmax_exp(row[0] - top);
+      const float factor = vec_exp(row[0] - top);
       total += row[1] * factor;
       for (int64_t d = 0; d < D; ++d) merged[d] += row[2 + d] * factor;
     }

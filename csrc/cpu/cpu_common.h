@@ -3,6 +3,10 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <limits>
 #include <cstring>
 #include <string_view>
 
@@ -31,6 +35,26 @@ QSPEC_INLINE Lanes8 load8(const float* p) {
   Lanes8 v;
   std::memcpy(&v, p, sizeof v);
   return v;
+}
+
+// exp(x) written with plain float / int operations so that a loop of them vectorizes (libm's expf
+// does not): Cody-Waite range reduction x = n ln2 + r and Cephes' degree-6 polynomial for e^r,
+// within 2 ulp of expf. x below -87 (e^x under FLT_MIN, and -inf) gives 0; above 88.3 (2^127: the
+// largest power of two, near expf's own overflow at 88.72), e^88.3: it saturates.
+QSPEC_INLINE float vec_exp(float x) {
+  const bool underflow = x < -87.f;
+  x = std::clamp(x, -87.f, 88.3f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  float poly = 1.9875691500e-4f;
+  poly = poly * r + 1.3981999507e-3f;
+  poly = poly * r + 8.3334519073e-3f;
+  poly = poly * r + 4.1665795894e-2f;
+  poly = poly * r + 1.6666665459e-1f;
+  poly = poly * r + 5.0000001201e-1f;
+  const float er = poly * r * r + r + 1.f;
+  const float two_n = std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+  return underflow ? 0.f : er * two_n;
 }
 
 // Rows per parallel task: enough work (about 64K elements) to pay for a thread.

@@ -255,6 +255,12 @@ def cached_attention(
     return _ops.cached_attention(query, k_cache, v_cache, positions, scale, window, tree_start, tree_seen)
 
 
+def silu_and_mul(input: torch.Tensor) -> torch.Tensor:
+    """The gated MLP's activation: ``silu(gate) * up`` ``[..., I]`` for ``input [..., 2I]`` = (gate, up)
+    (one gate_up projection's output), in fp32, rounded once into ``input``'s dtype."""
+    return _ops.silu_and_mul(input)
+
+
 def packed_linear(input: torch.Tensor, packed_weight: torch.Tensor, out_features: int) -> torch.Tensor:
     """``input @ W^T`` ``[M, out_features]`` for ``input [M, K]`` (fp32 or bf16) and ``packed_weight``
     = ``models.linear.pack_weight(W [out_features, K])``: W in panels of 16 output columns with
@@ -267,6 +273,11 @@ def packed_linear(input: torch.Tensor, packed_weight: torch.Tensor, out_features
 @torch.library.register_fake("qspec_ext::cached_attention")
 def _cached_attention_fake(query, k_cache, v_cache, positions, scale, window=0, tree_start=None, tree_seen=None):
     return torch.empty_like(query, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("qspec_ext::silu_and_mul")
+def _silu_and_mul_fake(input):
+    return input.new_empty(*input.shape[:-1], input.shape[-1] // 2)
 
 
 @torch.library.register_fake("qspec_ext::packed_linear")

@@ -4,6 +4,7 @@ Shares no code with the kernels. Math is done in fp32 and cast back at the end.
 """
 
 import torch
+import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -150,6 +151,16 @@ def packed_linear(input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """input [M, K] @ weight [N, K]^T in float64, rounded once (ops.packed_linear takes the weight
     packed in panels; this one the weight as stored)."""
     return (input.double() @ weight.double().T).to(input.dtype)
+
+
+# ----------------------------------------------------------------------------- activation
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for x = [..., 2I] = (gate, up), in fp32, rounded once (differentiable: the
+    models' training path)."""
+    gate, up = x.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(x.dtype)
 
 
 # ----------------------------------------------------------------------------- verification

@@ -377,7 +377,7 @@ class Eagle3Drafter(nn.Module):
             out = layer.self_attn.forward_cached(o, u, self.caches[i], self.cos_sin, positions, c.rms_norm_eps,
                                                  c.window(i), tree)
             o.fused_add_rms_norm_(out, residual, layer.post_attention_layernorm.weight, c.rms_norm_eps)
-            out = layer.mlp(out)
+            out = layer.mlp(out, o)
         if last_only:
             last = (torch.arange(B, device=out.device), positions.argmax(dim=1))
             out, residual = out.view(B, T, -1)[last], residual.view(B, T, -1)[last]

@@ -2,9 +2,9 @@
 as in the checkpoints, and attention over a static per-request KV cache."""
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from .. import reference
 from ..rope import rope_cos_sin_cache
 from .linear import Linear
 
@@ -124,9 +124,10 @@ class MLP(nn.Module):
         named_parts_in_checkpoints(self, "gate_up_proj", dict(gate_proj=intermediate, up_proj=intermediate))
         self.down_proj = Linear(intermediate, hidden, bias=False)
 
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops=reference) -> torch.Tensor:
+        """down_proj(silu(gate) * up) with ``ops``' silu_and_mul: the models' cached forwards pass
+        theirs (the custom op), training keeps the differentiable reference."""
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 def cache_slots(positions: torch.Tensor, max_length: int) -> torch.Tensor:

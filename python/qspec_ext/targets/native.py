@@ -235,7 +235,7 @@ class NativeTarget(nn.Module):
                 captured = False
             else:
                 o.fused_add_rms_norm_(attn_out, residual, layer.post_attention_layernorm.weight, c.rms_norm_eps)
-            out = layer.mlp(attn_out)
+            out = layer.mlp(attn_out, o)
         if c.num_hidden_layers in aux:
             records.append((c.num_hidden_layers, out, residual))
             z = o.rms_norm(residual + out, self.model.norm.weight, c.rms_norm_eps)
