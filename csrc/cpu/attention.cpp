@@ -30,16 +30,16 @@ constexpr int64_t kKeyBlock = 32;
 constexpr int64_t kMinKeysPerSplit = 128;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// op over a block's kKeyBlock values, folded in halves (each fold vectorizes; a serial float
-// reduction would not).
-template <typename Op>
-QSPEC_INLINE float block_fold(const float* __restrict__ w, Op op) {
+// The max and the sum of a block's kKeyBlock values: four vectors folded into one, then its lanes.
+QSPEC_INLINE float block_max(const float* __restrict__ w) {
   static_assert(kKeyBlock == 32);
-  float h16[16], h8[8], h4[4];
-  for (int l = 0; l < 16; ++l) h16[l] = op(w[l], w[l + 16]);
-  for (int l = 0; l < 8; ++l) h8[l] = op(h16[l], h16[l + 8]);
-  for (int l = 0; l < 4; ++l) h4[l] = op(h8[l], h8[l + 4]);
-  return op(op(h4[0], h4[2]), op(h4[1], h4[3]));
+  const auto max8 = [](Lanes8 a, Lanes8 b) { return a > b ? a : b; };
+  const Lanes8 m = max8(max8(load8(w), load8(w + 8)), max8(load8(w + 16), load8(w + 24)));
+  return std::max(std::max(std::max(m[0], m[4]), std::max(m[1], m[5])), std::max(std::max(m[2], m[6]), std::max(m[3], m[7])));
+}
+QSPEC_INLINE float block_sum(const float* __restrict__ w) {
+  const Lanes8 t = (load8(w) + load8(w + 8)) + (load8(w + 16) + load8(w + 24));
+  return ((t[0] + t[4]) + (t[1] + t[5])) + ((t[2] + t[6]) + (t[3] + t[7]));
 }
 
 typedef int32_t LaneIndex8 __attribute__((vector_size(32)));
@@ -64,26 +64,20 @@ QSPEC_INLINE Lanes8 add_halves(Lanes8 x, Lanes8 y) {
 constexpr int kTileQueries = 2;
 
 // scores[r * kKeyBlock + k] = q_r . keys[k * stride] over D, for the tile's R query rows (row
-// stride D) and keys [0, n), n <= 8. Eight keys: R x 8 partial-sum vectors, summed by lanes.
+// stride D) and eight keys: R x 8 partial-sum vectors, summed by lanes. Keys [n, 8) (a block's
+// last n < 8 keys) are read from key n - 1, in the block: their scores are masked.
 template <int R>
 QSPEC_INLINE void score_tile(const float* __restrict__ q, const float* __restrict__ keys, int64_t stride, int64_t n,
                              int64_t D, float* __restrict__ scores) {
-  if (n < 8) {  // a split's last keys
-    for (int r = 0; r < R; ++r)
-      for (int64_t k = 0; k < n; ++k) {
-        float total = 0.f;
-        for (int64_t d = 0; d < D; ++d) total += q[r * D + d] * keys[k * stride + d];
-        scores[r * kKeyBlock + k] = total;
-      }
-    return;
-  }
+  const float* key_rows[8];
+  for (int k = 0; k < 8; ++k) key_rows[k] = keys + std::min<int64_t>(k, n - 1) * stride;
   Lanes8 acc[R][8] = {};
   int64_t i = 0;
   for (; i + 8 <= D; i += 8) {
     Lanes8 x[R];
     for (int r = 0; r < R; ++r) x[r] = load8(q + r * D + i);
     for (int k = 0; k < 8; ++k) {
-      const Lanes8 key = load8(keys + k * stride + i);
+      const Lanes8 key = load8(key_rows[k] + i);
       for (int r = 0; r < R; ++r) acc[r][k] += x[r] * key;
     }
   }
@@ -92,24 +86,27 @@ QSPEC_INLINE void score_tile(const float* __restrict__ q, const float* __restric
                                      add_quads(add_pairs(acc[r][4], acc[r][5]), add_pairs(acc[r][6], acc[r][7])));
     std::memcpy(scores + r * kKeyBlock, &totals, sizeof totals);
     for (int64_t d = i; d < D; ++d)  // a head_dim that is not a multiple of 8
-      for (int k = 0; k < 8; ++k) scores[r * kKeyBlock + k] += q[r * D + d] * keys[k * stride + d];
+      for (int k = 0; k < 8; ++k) scores[r * kKeyBlock + k] += q[r * D + d] * key_rows[k][d];
   }
 }
 
 // acc_r[d] += sum_j w[r * kKeyBlock + j] * values[j * stride + d] over the block's n keys, for the
-// tile's R accumulator rows (row stride acc_stride). Held in registers kValueLanes dims at a time
-// (read and written once a block); a key no row weighs is skipped: its value is never read (an
-// unseen slot may hold anything).
-template <int R, int kVectors>
+// tile's R accumulator rows (row stride acc_stride). Held in registers 8 x kVectors dims at a
+// time (read and written once a block). kSkipUnweighed: a key no row weighs is skipped, its value
+// never read (a slot no query sees may hold anything, NaN included: 0 * NaN is NaN); without it,
+// every key's value is read (a block whose every key some query sees: written slots).
+template <int R, int kVectors, bool kSkipUnweighed>
 QSPEC_INLINE void value_chunk(const float* __restrict__ w, const float* __restrict__ values, int64_t stride, int64_t n,
                               float* __restrict__ acc, int64_t acc_stride) {
   Lanes8 a[R][kVectors];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < kVectors; ++c) a[r][c] = load8(acc + r * acc_stride + 8 * c);
   for (int64_t j = 0; j < n; ++j) {
-    bool weighed = false;
-    for (int r = 0; r < R; ++r) weighed |= w[r * kKeyBlock + j] != 0.f;
-    if (!weighed) continue;
+    if constexpr (kSkipUnweighed) {
+      bool weighed = false;
+      for (int r = 0; r < R; ++r) weighed |= w[r * kKeyBlock + j] != 0.f;
+      if (!weighed) continue;
+    }
     for (int c = 0; c < kVectors; ++c) {
       const Lanes8 v = load8(values + j * stride + 8 * c);
       for (int r = 0; r < R; ++r) a[r][c] += w[r * kKeyBlock + j] * v;
@@ -119,12 +116,12 @@ QSPEC_INLINE void value_chunk(const float* __restrict__ w, const float* __restri
     for (int c = 0; c < kVectors; ++c) std::memcpy(acc + r * acc_stride + 8 * c, &a[r][c], sizeof a[r][c]);
 }
 
-template <int R>
+template <int R, bool kSkipUnweighed>
 QSPEC_INLINE void value_tile(const float* __restrict__ w, const float* __restrict__ values, int64_t stride, int64_t n,
                              int64_t D, float* __restrict__ acc, int64_t acc_stride) {
   int64_t d0 = 0;
-  for (; d0 + 32 <= D; d0 += 32) value_chunk<R, 4>(w, values + d0, stride, n, acc + d0, acc_stride);
-  for (; d0 + 8 <= D; d0 += 8) value_chunk<R, 1>(w, values + d0, stride, n, acc + d0, acc_stride);
+  for (; d0 + 32 <= D; d0 += 32) value_chunk<R, 4, kSkipUnweighed>(w, values + d0, stride, n, acc + d0, acc_stride);
+  for (; d0 + 8 <= D; d0 += 8) value_chunk<R, 1, kSkipUnweighed>(w, values + d0, stride, n, acc + d0, acc_stride);
   if (d0 == D) return;
   for (int r = 0; r < R; ++r)
     for (int64_t j = 0; j < n; ++j)
@@ -147,19 +144,19 @@ QSPEC_INLINE void reset_states(float* state, int64_t count, int64_t width) {
 QSPEC_INLINE void online_softmax(float* __restrict__ scores, const char* __restrict__ sees, int64_t D,
                                  float* __restrict__ row, float* __restrict__ weights) {
   for (int64_t j = 0; j < kKeyBlock; ++j) scores[j] = sees[j] ? scores[j] : kNegInf;
-  const float block_max = block_fold(scores, [](float a, float b) { return std::max(a, b); });
-  if (block_max == kNegInf) {
+  const float top = block_max(scores);
+  if (top == kNegInf) {
     std::fill_n(weights, kKeyBlock, 0.f);
     return;
   }
-  const float new_max = std::max(row[0], block_max);
+  const float new_max = std::max(row[0], top);
   const float correction = vec_exp(row[0] - new_max);  // 0 while nothing was seen
   if (correction != 1.f) {
     row[1] *= correction;
     for (int64_t d = 0; d < D; ++d) row[2 + d] *= correction;
   }
   for (int64_t j = 0; j < kKeyBlock; ++j) weights[j] = vec_exp(scores[j] - new_max);  // unseen: 0
-  row[1] += block_fold(weights, [](float a, float b) { return a + b; });
+  row[1] += block_sum(weights);
   row[0] = new_max;
 }
 
@@ -167,13 +164,16 @@ QSPEC_INLINE void online_softmax(float* __restrict__ scores, const char* __restr
 template <int R>
 QSPEC_INLINE void attend_block_tile(const float* __restrict__ q, const float* __restrict__ keys,
                                     const float* __restrict__ values, int64_t stride, int64_t n, int64_t D,
-                                    const char* const (&sees)[R], float* __restrict__ state) {
+                                    const char* const (&sees)[R], bool every_key_seen, float* __restrict__ state) {
   const int64_t width = D + 2;
-  // Scores past a block's n keys are never computed (masked: every row's sees is false there).
+  // Scores past the tiles over a block's n keys are never computed (masked: no row sees them).
   float scores[R * kKeyBlock] = {}, weights[R * kKeyBlock];
-  for (int64_t j = 0; j < n; j += 8) score_tile<R>(q, keys + j * stride, stride, std::min<int64_t>(8, n - j), D, scores + j);
+  for (int64_t j = 0; j < n; j += 8) score_tile<R>(q, keys + j * stride, stride, n - j, D, scores + j);
   for (int r = 0; r < R; ++r) online_softmax(scores + r * kKeyBlock, sees[r], D, state + r * width, weights + r * kKeyBlock);
-  value_tile<R>(weights, values, stride, n, D, state + 2, width);
+  if (every_key_seen)
+    value_tile<R, false>(weights, values, stride, n, D, state + 2, width);
+  else
+    value_tile<R, true>(weights, values, stride, n, D, state + 2, width);
 }
 
 // Keys [begin, end) of request b, every KV head, for all the request's queries. State row
@@ -213,6 +213,7 @@ QSPEC_INLINE void attend_keys_impl(const AttentionParams<T>& p, int64_t b, int64
       load_float(v_src, converted.data() + kKeyBlock * slot_stride, n * slot_stride);
       keys = converted.data(), values = converted.data() + kKeyBlock * slot_stride;
     }
+    char seen_by_any[kKeyBlock] = {};
     for (int64_t t = 0; t < p.tokens; ++t) {
       const KeyRange range = ranges[t];
       active[t] = range.hi > block && range.lo < block + n;
@@ -220,8 +221,11 @@ QSPEC_INLINE void attend_keys_impl(const AttentionParams<T>& p, int64_t b, int64
         const int64_t key = block + j;
         seen[t * kKeyBlock + j] =
             active[t] && j < n && key >= range.lo && key < range.hi && key_seen(p, b, t, key);
+        seen_by_any[j] |= seen[t * kKeyBlock + j];
       }
     }
+    bool every_key_seen = true;
+    for (int64_t j = 0; j < n; ++j) every_key_seen &= seen_by_any[j] != 0;
     for (int64_t h = 0; h < p.heads_kv; ++h) {
       const float *head_keys = keys + h * D, *head_values = values + h * D;
       for (int64_t i = 0; i < queries; i += kTileQueries) {
@@ -230,11 +234,11 @@ QSPEC_INLINE void attend_keys_impl(const AttentionParams<T>& p, int64_t b, int64
         if (i + 1 < queries) {
           if (!active[t0] && !active[t1]) continue;
           const char* const sees[2] = {seen.data() + t0 * kKeyBlock, seen.data() + t1 * kKeyBlock};
-          attend_block_tile<2>(q.data() + row * D, head_keys, head_values, slot_stride, n, D, sees,
+          attend_block_tile<2>(q.data() + row * D, head_keys, head_values, slot_stride, n, D, sees, every_key_seen,
                                state + row * width);
         } else if (active[t0]) {
           const char* const sees[1] = {seen.data() + t0 * kKeyBlock};
-          attend_block_tile<1>(q.data() + row * D, head_keys, head_values, slot_stride, n, D, sees,
+          attend_block_tile<1>(q.data() + row * D, head_keys, head_values, slot_stride, n, D, sees, every_key_seen,
                                state + row * width);
         }
       }
