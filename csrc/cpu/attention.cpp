@@ -1,8 +1,8 @@
 // CPU kernel of cached decode attention. Work items are (request, key split): an item reads its
 // slice of the request's used key slots once, in blocks of kKeyBlock slots (each slot whole: all
 // KV heads, one contiguous row, so the hardware streams it), for all the request's queries (the
-// T tokens x the query heads), with an online softmax in fp32; a KV head's queries go through a
-// block in register tiles of kTileQueries, which share each key and value they load. Where keys
+// T tokens x the query heads), with an online softmax in fp32. (Register tiles of two queries
+// sharing each key and value they load measured slower: benchmarks/HISTORY.md.) Where keys
 // were split, a second pass merges the splits' partial (max, sum, accumulator) states into the
 // output; unsplit, each item writes its own.
 #include <cmath>
@@ -60,73 +60,53 @@ QSPEC_INLINE Lanes8 add_halves(Lanes8 x, Lanes8 y) {
          __builtin_shuffle(x, y, LaneIndex8{4, 5, 6, 7, 12, 13, 14, 15});
 }
 
-// Queries per register tile: the tile's rows share every key and value they load.
-constexpr int kTileQueries = 2;
-
-// scores[r * kKeyBlock + k] = q_r . keys[k * stride] over D, for the tile's R query rows (row
-// stride D) and eight keys: R x 8 partial-sum vectors, summed by lanes. Keys [n, 8) (a block's
-// last n < 8 keys) are read from key n - 1, in the block: their scores are masked.
-template <int R>
-QSPEC_INLINE void score_tile(const float* __restrict__ q, const float* __restrict__ keys, int64_t stride, int64_t n,
-                             int64_t D, float* __restrict__ scores) {
+// scores[k] = q . keys[k * stride] over D for eight keys: 8 partial-sum vectors, summed by lanes.
+// Keys [n, 8) (a block's last n < 8 keys) are read from key n - 1, in the block: their scores are
+// masked.
+QSPEC_INLINE void score_keys8(const float* __restrict__ q, const float* __restrict__ keys, int64_t stride, int64_t n,
+                              int64_t D, float* __restrict__ scores) {
   const float* key_rows[8];
   for (int k = 0; k < 8; ++k) key_rows[k] = keys + std::min<int64_t>(k, n - 1) * stride;
-  Lanes8 acc[R][8] = {};
+  Lanes8 acc[8] = {};
   int64_t i = 0;
   for (; i + 8 <= D; i += 8) {
-    Lanes8 x[R];
-    for (int r = 0; r < R; ++r) x[r] = load8(q + r * D + i);
-    for (int k = 0; k < 8; ++k) {
-      const Lanes8 key = load8(key_rows[k] + i);
-      for (int r = 0; r < R; ++r) acc[r][k] += x[r] * key;
-    }
+    const Lanes8 x = load8(q + i);
+    for (int k = 0; k < 8; ++k) acc[k] += x * load8(key_rows[k] + i);
   }
-  for (int r = 0; r < R; ++r) {
-    const Lanes8 totals = add_halves(add_quads(add_pairs(acc[r][0], acc[r][1]), add_pairs(acc[r][2], acc[r][3])),
-                                     add_quads(add_pairs(acc[r][4], acc[r][5]), add_pairs(acc[r][6], acc[r][7])));
-    std::memcpy(scores + r * kKeyBlock, &totals, sizeof totals);
-    for (int64_t d = i; d < D; ++d)  // a head_dim that is not a multiple of 8
-      for (int k = 0; k < 8; ++k) scores[r * kKeyBlock + k] += q[r * D + d] * key_rows[k][d];
-  }
+  const Lanes8 totals = add_halves(add_quads(add_pairs(acc[0], acc[1]), add_pairs(acc[2], acc[3])),
+                                   add_quads(add_pairs(acc[4], acc[5]), add_pairs(acc[6], acc[7])));
+  std::memcpy(scores, &totals, sizeof totals);
+  for (; i < D; ++i)  // a head_dim that is not a multiple of 8
+    for (int k = 0; k < 8; ++k) scores[k] += q[i] * key_rows[k][i];
 }
 
-// acc_r[d] += sum_j w[r * kKeyBlock + j] * values[j * stride + d] over the block's n keys, for the
-// tile's R accumulator rows (row stride acc_stride). Held in registers 8 x kVectors dims at a
-// time (read and written once a block). kSkipUnweighed: a key no row weighs is skipped, its value
-// never read (a slot no query sees may hold anything, NaN included: 0 * NaN is NaN); without it,
-// every key's value is read (a block whose every key some query sees: written slots).
-template <int R, int kVectors, bool kSkipUnweighed>
-QSPEC_INLINE void value_chunk(const float* __restrict__ w, const float* __restrict__ values, int64_t stride, int64_t n,
-                              float* __restrict__ acc, int64_t acc_stride) {
-  Lanes8 a[R][kVectors];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < kVectors; ++c) a[r][c] = load8(acc + r * acc_stride + 8 * c);
+// acc[d] += sum_j w[j] * values[j * stride + d] over the block's n keys, held in registers 8 x
+// kVectors dims at a time (read and written once a block). kSkipUnweighed: a key of weight 0 is
+// skipped, its value never read (a slot no query sees may hold anything, NaN included, and
+// 0 * NaN is NaN); without it every key's value is read (a block whose every key some query
+// sees: written slots).
+template <int kVectors, bool kSkipUnweighed>
+QSPEC_INLINE void accumulate_chunk(const float* __restrict__ w, const float* __restrict__ values, int64_t stride,
+                                   int64_t n, float* __restrict__ acc) {
+  Lanes8 a[kVectors];
+  for (int c = 0; c < kVectors; ++c) a[c] = load8(acc + 8 * c);
   for (int64_t j = 0; j < n; ++j) {
-    if constexpr (kSkipUnweighed) {
-      bool weighed = false;
-      for (int r = 0; r < R; ++r) weighed |= w[r * kKeyBlock + j] != 0.f;
-      if (!weighed) continue;
-    }
-    for (int c = 0; c < kVectors; ++c) {
-      const Lanes8 v = load8(values + j * stride + 8 * c);
-      for (int r = 0; r < R; ++r) a[r][c] += w[r * kKeyBlock + j] * v;
-    }
+    if (kSkipUnweighed && w[j] == 0.f) continue;
+    for (int c = 0; c < kVectors; ++c) a[c] += w[j] * load8(values + j * stride + 8 * c);
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < kVectors; ++c) std::memcpy(acc + r * acc_stride + 8 * c, &a[r][c], sizeof a[r][c]);
+  for (int c = 0; c < kVectors; ++c) std::memcpy(acc + 8 * c, &a[c], sizeof a[c]);
 }
 
-template <int R, bool kSkipUnweighed>
-QSPEC_INLINE void value_tile(const float* __restrict__ w, const float* __restrict__ values, int64_t stride, int64_t n,
-                             int64_t D, float* __restrict__ acc, int64_t acc_stride) {
+template <bool kSkipUnweighed>
+QSPEC_INLINE void accumulate_values(const float* __restrict__ w, const float* __restrict__ values, int64_t stride,
+                                    int64_t n, int64_t D, float* __restrict__ acc) {
   int64_t d0 = 0;
-  for (; d0 + 32 <= D; d0 += 32) value_chunk<R, 4, kSkipUnweighed>(w, values + d0, stride, n, acc + d0, acc_stride);
-  for (; d0 + 8 <= D; d0 += 8) value_chunk<R, 1, kSkipUnweighed>(w, values + d0, stride, n, acc + d0, acc_stride);
+  for (; d0 + 64 <= D; d0 += 64) accumulate_chunk<8, kSkipUnweighed>(w, values + d0, stride, n, acc + d0);
+  for (; d0 + 8 <= D; d0 += 8) accumulate_chunk<1, kSkipUnweighed>(w, values + d0, stride, n, acc + d0);
   if (d0 == D) return;
-  for (int r = 0; r < R; ++r)
-    for (int64_t j = 0; j < n; ++j)
-      if (w[r * kKeyBlock + j] != 0.f)
-        for (int64_t d = d0; d < D; ++d) acc[r * acc_stride + d] += w[r * kKeyBlock + j] * values[j * stride + d];
+  for (int64_t j = 0; j < n; ++j)
+    if (w[j] != 0.f)
+      for (int64_t d = d0; d < D; ++d) acc[d] += w[j] * values[j * stride + d];
 }
 
 // The online-softmax state of one query: running max m, running sum l, accumulator acc[D].
@@ -160,25 +140,22 @@ QSPEC_INLINE void online_softmax(float* __restrict__ scores, const char* __restr
   row[0] = new_max;
 }
 
-// State rows [i, i + R) of KV head h (query rows q, state rows `state`) over one key block.
-template <int R>
-QSPEC_INLINE void attend_block_tile(const float* __restrict__ q, const float* __restrict__ keys,
-                                    const float* __restrict__ values, int64_t stride, int64_t n, int64_t D,
-                                    const char* const (&sees)[R], bool every_key_seen, float* __restrict__ state) {
-  const int64_t width = D + 2;
-  // Scores past the tiles over a block's n keys are never computed (masked: no row sees them).
-  float scores[R * kKeyBlock] = {}, weights[R * kKeyBlock];
-  for (int64_t j = 0; j < n; j += 8) score_tile<R>(q, keys + j * stride, stride, n - j, D, scores + j);
-  for (int r = 0; r < R; ++r) online_softmax(scores + r * kKeyBlock, sees[r], D, state + r * width, weights + r * kKeyBlock);
+// One query (its scaled row q, its state row) over one key block of KV head h (keys, values).
+QSPEC_INLINE void attend_block(const float* __restrict__ q, const float* __restrict__ keys,
+                               const float* __restrict__ values, int64_t stride, int64_t n, int64_t D,
+                               const char* __restrict__ sees, bool every_key_seen, float* __restrict__ row) {
+  // Scores past the 8-key groups over a block's n keys are never computed (masked: unseen).
+  float scores[kKeyBlock], weights[kKeyBlock];
+  for (int64_t j = 0; j < n; j += 8) score_keys8(q, keys + j * stride, stride, n - j, D, scores + j);
+  online_softmax(scores, sees, D, row, weights);
   if (every_key_seen)
-    value_tile<R, false>(weights, values, stride, n, D, state + 2, width);
+    accumulate_values<false>(weights, values, stride, n, D, row + 2);
   else
-    value_tile<R, true>(weights, values, stride, n, D, state + 2, width);
+    accumulate_values<true>(weights, values, stride, n, D, row + 2);
 }
 
 // Keys [begin, end) of request b, every KV head, for all the request's queries. State row
-// (h * T + t) * G + g belongs to query head h * G + g of token t: a KV head's T x G queries are
-// consecutive rows, taken kTileQueries at a time.
+// (h * T + t) * G + g belongs to query head h * G + g of token t.
 template <typename T>
 QSPEC_INLINE void attend_keys_impl(const AttentionParams<T>& p, int64_t b, int64_t begin, int64_t end, float* state) {
   const int64_t D = p.head_dim, G = p.heads_q / p.heads_kv, queries = p.tokens * G, width = D + 2;
@@ -217,10 +194,10 @@ QSPEC_INLINE void attend_keys_impl(const AttentionParams<T>& p, int64_t b, int64
     for (int64_t t = 0; t < p.tokens; ++t) {
       const KeyRange range = ranges[t];
       active[t] = range.hi > block && range.lo < block + n;
+      if (!active[t]) continue;  // its row of seen is not read
       for (int64_t j = 0; j < kKeyBlock; ++j) {
         const int64_t key = block + j;
-        seen[t * kKeyBlock + j] =
-            active[t] && j < n && key >= range.lo && key < range.hi && key_seen(p, b, t, key);
+        seen[t * kKeyBlock + j] = j < n && key >= range.lo && key < range.hi && key_seen(p, b, t, key);
         seen_by_any[j] |= seen[t * kKeyBlock + j];
       }
     }
@@ -228,19 +205,11 @@ QSPEC_INLINE void attend_keys_impl(const AttentionParams<T>& p, int64_t b, int64
     for (int64_t j = 0; j < n; ++j) every_key_seen &= seen_by_any[j] != 0;
     for (int64_t h = 0; h < p.heads_kv; ++h) {
       const float *head_keys = keys + h * D, *head_values = values + h * D;
-      for (int64_t i = 0; i < queries; i += kTileQueries) {
-        const int64_t t0 = i / G, t1 = (i + 1) / G;  // the tokens of the tile's rows
-        const int64_t row = h * queries + i;
-        if (i + 1 < queries) {
-          if (!active[t0] && !active[t1]) continue;
-          const char* const sees[2] = {seen.data() + t0 * kKeyBlock, seen.data() + t1 * kKeyBlock};
-          attend_block_tile<2>(q.data() + row * D, head_keys, head_values, slot_stride, n, D, sees, every_key_seen,
-                               state + row * width);
-        } else if (active[t0]) {
-          const char* const sees[1] = {seen.data() + t0 * kKeyBlock};
-          attend_block_tile<1>(q.data() + row * D, head_keys, head_values, slot_stride, n, D, sees, every_key_seen,
-                               state + row * width);
-        }
+      for (int64_t i = 0; i < queries; ++i) {
+        const int64_t t = i / G, row = h * queries + i;
+        if (active[t])
+          attend_block(q.data() + row * D, head_keys, head_values, slot_stride, n, D, seen.data() + t * kKeyBlock,
+                       every_key_seen, state + row * width);
       }
     }
   }
