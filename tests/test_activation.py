@@ -52,7 +52,7 @@ def test_opcheck_and_compile(device):
 
 
 @pytest.mark.parametrize("x,message", [
-    (torch.randn(3, 7), "argument 'input' must have an even last dimension (the gate half, then the up half), got shape [3, 7]"),
+    (torch.randn(3, 7), "must have an even last dimension (the gate half, then the up half), got shape [3, 7]"),
     (torch.randn(8, 4).T, "argument 'input' must have a contiguous last dimension"),
     (torch.ones(3, 4, dtype=torch.int64), "argument 'input' must be"),
     (torch.tensor(1.0), "argument 'input' must have at least 1 dimension"),

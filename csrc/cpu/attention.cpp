@@ -35,7 +35,8 @@ QSPEC_INLINE float block_max(const float* __restrict__ w) {
   static_assert(kKeyBlock == 32);
   const auto max8 = [](Lanes8 a, Lanes8 b) { return a > b ? a : b; };
   const Lanes8 m = max8(max8(load8(w), load8(w + 8)), max8(load8(w + 16), load8(w + 24)));
-  return std::max(std::max(std::max(m[0], m[4]), std::max(m[1], m[5])), std::max(std::max(m[2], m[6]), std::max(m[3], m[7])));
+  const float a = std::max(std::max(m[0], m[4]), std::max(m[1], m[5]));
+  return std::max(a, std::max(std::max(m[2], m[6]), std::max(m[3], m[7])));
 }
 QSPEC_INLINE float block_sum(const float* __restrict__ w) {
   const Lanes8 t = (load8(w) + load8(w + 8)) + (load8(w + 16) + load8(w + 24));
@@ -141,11 +142,12 @@ QSPEC_INLINE void online_softmax(float* __restrict__ scores, const char* __restr
 }
 
 // One query (its scaled row q, its state row) over one key block of KV head h (keys, values).
+// scores, weights: kKeyBlock floats of scratch; scores past the 8-key groups over the block's n
+// keys are not computed (they keep old values, masked: no query sees them).
 QSPEC_INLINE void attend_block(const float* __restrict__ q, const float* __restrict__ keys,
                                const float* __restrict__ values, int64_t stride, int64_t n, int64_t D,
-                               const char* __restrict__ sees, bool every_key_seen, float* __restrict__ row) {
-  // Scores past the 8-key groups over a block's n keys are never computed (masked: unseen).
-  float scores[kKeyBlock], weights[kKeyBlock];
+                               const char* __restrict__ sees, bool every_key_seen, float* __restrict__ row,
+                               float* __restrict__ scores, float* __restrict__ weights) {
   for (int64_t j = 0; j < n; j += 8) score_keys8(q, keys + j * stride, stride, n - j, D, scores + j);
   online_softmax(scores, sees, D, row, weights);
   if (every_key_seen)
@@ -177,6 +179,7 @@ QSPEC_INLINE void attend_keys_impl(const AttentionParams<T>& p, int64_t b, int64
   // fp32 caches are read in place; others are converted a block (K then V) at a time.
   std::vector<float> converted(kFloat ? 0 : 2 * kKeyBlock * slot_stride);
   std::vector<char> active(p.tokens), seen(p.tokens * kKeyBlock);
+  float scores[kKeyBlock] = {}, weights[kKeyBlock];
   const int64_t first_slot = b * p.max_length;
   for (int64_t block = begin; block < end; block += kKeyBlock) {
     const int64_t n = std::min(kKeyBlock, end - block);
@@ -209,7 +212,7 @@ QSPEC_INLINE void attend_keys_impl(const AttentionParams<T>& p, int64_t b, int64
         const int64_t t = i / G, row = h * queries + i;
         if (active[t])
           attend_block(q.data() + row * D, head_keys, head_values, slot_stride, n, D, seen.data() + t * kKeyBlock,
-                       every_key_seen, state + row * width);
+                       every_key_seen, state + row * width, scores, weights);
       }
     }
   }
