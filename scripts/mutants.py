@@ -269,6 +269,8 @@ MUTANTS = [
            "        pack_linears(self.lm_head)\n", "", (MAPPED_EMBEDDING,)),
     Mutant("mapped_embedding_offset_ignores_the_header", CHECKPOINT,
            "begin, end = (8 + header_size + offset for", "begin, end = (8 + offset for", (MAPPED_EMBEDDING,)),
+    Mutant("freed_heap_unmapped_again", CHECKPOINT,
+           "        mallopt(_M_MMAP_THRESHOLD, 32 << 20)\n", "", (DEC + "test_cpu_setup_keeps_freed_activations_mapped",)),
     # C++ (with --cpp): a CPU-only rebuild of the copy per mutant, minutes each.
     Mutant("cpu_residual_draw_ignores_row_offset", "csrc/cpu/verify.cpp",
            "uniform_01(random_bits(seed, offset + j, kSampleUse)), scratch);",

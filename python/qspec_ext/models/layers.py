@@ -6,6 +6,7 @@ from torch import nn
 
 from .. import reference
 from ..rope import rope_cos_sin_cache
+from .checkpoint import reuse_freed_heap
 from .linear import Linear
 
 
@@ -20,10 +21,13 @@ def static_caches(existing: list[tuple[torch.Tensor, torch.Tensor]], layers: int
                   like: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per-layer (K, V) caches of ``shape`` in ``like``'s dtype and device: the existing ones when
     they fit (the next generate call reuses them; their stale entries are never read: attention
-    reads only the slots each query sees, written before), else new zeroed ones."""
+    reads only the slots each query sees, written before), else new zeroed ones. On the CPU the
+    heap then keeps freed activations mapped for the next step (:func:`reuse_freed_heap`)."""
     if existing and len(existing) == layers and all(
             c.shape == shape and c.dtype == like.dtype and c.device == like.device for pair in existing for c in pair):
         return existing
+    if like.device.type == "cpu":
+        reuse_freed_heap()
     caches = [(like.new_zeros(shape), like.new_zeros(shape)) for _ in range(layers)]
     mark_static(caches)
     return caches
