@@ -38,6 +38,7 @@ CHECKPOINT, NATIVE = f"{PKG}/models/checkpoint.py", f"{PKG}/targets/native.py"
 CPP_SOURCES = ("csrc", "CMakeLists.txt", "setup.py", "pyproject.toml", "README.md")
 
 DEC, DRAFTER, TR = "tests/test_decode.py::", "tests/test_eagle3_drafter.py::", "tests/test_train.py::"
+VERIFY = "tests/test_verify.py::"
 LOSSLESS = DEC + "test_greedy_is_lossless_builtin_target[5-3]"  # batch 5, k 3, a drafter right most of the time
 SAMPLED = DEC + "test_sampling_follows_the_target_distribution"
 SHIPPED = TR + "test_shipped_pair_accepts_drafts"
@@ -280,6 +281,13 @@ MUTANTS = [
            "uniform_01(random_bits(seed, offset + depth, kSampleUse)), scratch);",
            "uniform_01(random_bits(seed, offset + node, kSampleUse)), scratch);",
            ("tests/test_verify_tree.py::test_sampling_matches_reference",)),
+    Mutant("cpu_greedy_max_of_the_upper_lanes_dropped", "csrc/cpu/verify.cpp",
+           "  max0 = max1 > max0 ? max1 : max0;\n", "", (VERIFY + "test_greedy_argmax_in_every_lane_and_the_tail",)),
+    Mutant("cpu_greedy_nan_of_the_upper_lanes_missed", "csrc/cpu/verify.cpp",
+           "nans |= (x0 != x0) | (x1 != x1);", "nans |= x0 != x0;", (VERIFY + "test_greedy_argmax_in_every_lane_and_the_tail",)),
+    Mutant("cpu_greedy_tail_not_searched_for_the_max", "csrc/cpu/verify.cpp",
+           "    max = x > max ? x : max;\n    nan |= x != x;\n  }\n  return max;", "  }\n  return max;",
+           (VERIFY + "test_greedy_argmax_in_every_lane_and_the_tail",)),
     Mutant("attention_window_one_key_too_many", "csrc/include/qspec_ext/attention.h",
            "int64_t lo = p.window > 0 ? position - p.window + 1 : 0;", "int64_t lo = p.window > 0 ? position - p.window : 0;",
            ("tests/test_attention.py::test_a_sliding_window_matches_the_reference",)),

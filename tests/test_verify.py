@@ -74,6 +74,21 @@ def test_greedy_nan_and_inf_rows_follow_torch_argmax(device):
     assert accepted.tolist() == [1, 2]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("special", ["max", "nan"])
+def test_greedy_argmax_in_every_lane_and_the_tail(device, special, dtype):
+    """The row's max (or its one NaN) in the first and the second 8 lanes of a 16-wide pass, and in
+    the vocab's tail past the last whole 16."""
+    vocab, spots = 100, [3, 11, 37, 58, 97]
+    logits = torch.randn(len(spots), 2, vocab, generator=torch.Generator().manual_seed(1)).to(dtype)
+    for row, spot in enumerate(spots):
+        logits[row, 0, spot] = float("nan") if special == "nan" else 10.0
+    expected = logits[:, 0].float().argmax(-1)  # torch: the first NaN, else the first max
+    assert expected.tolist() == spots
+    out, accepted = qspec_ext.verify_greedy((expected[:, None] + 1).to(device), logits.to(device))  # rejected
+    assert out[:, 0].cpu().tolist() == spots and accepted.tolist() == [0] * len(spots)
+
+
 # ----------------------------------------------------------------------------- sampling vs reference
 
 

@@ -49,36 +49,47 @@ float draft_q(const VerifyParams<T>& p, int64_t b, int i, int64_t x) {
   return d >= 0 ? draft_prob_at(p, b, i, d) : 0.f;  // outside the draft vocabulary: 0
 }
 
-// Step 1 for one row: vectorizable passes over the logits (max and NaN; the argmax
-// position; the softmax sum), each reading the row from cache after the first.
+typedef int32_t Mask8 __attribute__((vector_size(32)));
+
+// The max of a row's logits and whether it holds a NaN, in 16 vector lanes (x > m ? x : m keeps m
+// when x is NaN; x != x flags it). GCC leaves the same pass written over a float[16] scalar.
 template <typename T>
-QSPEC_INLINE VerifyRowStats row_stats_impl(const T* __restrict__ logits, int64_t vocab, float temperature) {
-  // The max (and whether a NaN is present) in a vectorizable pass, then the position of
-  // its first occurrence, searched a block at a time.
-  float lane_max[16];
-  int32_t lane_nan[16];
-  for (int j = 0; j < 16; ++j) {
-    lane_max[j] = -INFINITY;
-    lane_nan[j] = 0;
-  }
+QSPEC_INLINE float row_max(const T* __restrict__ logits, int64_t vocab, bool& nan) {
+  const Lanes8 lowest = Lanes8{} - INFINITY;
+  Lanes8 max0 = lowest, max1 = lowest;
+  Mask8 nans = {};
   int64_t v = 0;
-  for (; v + 16 <= vocab; v += 16)
-    for (int j = 0; j < 16; ++j) {
-      const float x = static_cast<float>(logits[v + j]);
-      lane_max[j] = x > lane_max[j] ? x : lane_max[j];
-      lane_nan[j] += x != x;
-    }
+  for (; v + 16 <= vocab; v += 16) {
+    float x[16];
+    for (int j = 0; j < 16; ++j) x[j] = static_cast<float>(logits[v + j]);
+    const Lanes8 x0 = load8(x), x1 = load8(x + 8);
+    max0 = x0 > max0 ? x0 : max0;
+    max1 = x1 > max1 ? x1 : max1;
+    nans |= (x0 != x0) | (x1 != x1);
+  }
+  max0 = max1 > max0 ? max1 : max0;
   float max = -INFINITY;
-  bool nan = false;
+  nan = false;
+  for (int j = 0; j < 8; ++j) {
+    max = max0[j] > max ? max0[j] : max;
+    nan |= nans[j] != 0;
+  }
   for (; v < vocab; ++v) {
     const float x = static_cast<float>(logits[v]);
     max = x > max ? x : max;
     nan |= x != x;
   }
-  for (int j = 0; j < 16; ++j) {
-    max = lane_max[j] > max ? lane_max[j] : max;
-    nan |= lane_nan[j] != 0;
-  }
+  return max;
+}
+
+// Step 1 for one row: vectorizable passes over the logits (max and NaN; the argmax
+// position; the softmax sum), each reading the row from cache after the first.
+template <typename T>
+QSPEC_INLINE VerifyRowStats row_stats_impl(const T* __restrict__ logits, int64_t vocab, float temperature) {
+  // The max (and whether a NaN is present), then the position of its first occurrence,
+  // searched a block at a time.
+  bool nan;
+  const float max = row_max(logits, vocab, nan);
   ArgMax best{nan ? NAN : max, 0};  // all -inf: torch.argmax gives 0
   constexpr int64_t kBlock = 64;
   for (int64_t start = 0; start < vocab; start += kBlock) {
