@@ -9,7 +9,9 @@
 #include <limits>
 #include <cstring>
 #include <string_view>
+#include <vector>
 
+#include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 
 #include "checks.h"
@@ -102,6 +104,29 @@ QSPEC_INLINE void rms_normalize(float* __restrict__ x, const float* __restrict__
 // A norm weight as contiguous fp32 (weights may be stored in fp32 or the activation
 // dtype); no copy when it already is.
 inline at::Tensor weight_as_float(const at::Tensor& weight) { return weight.to(at::kFloat).contiguous(); }
+
+// A norm weight's values (1-D, contiguous) as fp32 on the host: its own data when it is that, else a
+// copy converted here (a few KB per call; a tensor op's allocation and dispatch cost more).
+class FloatWeight {
+ public:
+  explicit FloatWeight(const at::Tensor& weight) {
+    TORCH_INTERNAL_ASSERT(weight.dim() == 1 && weight.is_contiguous());  // the ops' checks
+    if (weight.scalar_type() == at::kFloat) {
+      data_ = weight.const_data_ptr<float>();
+      return;
+    }
+    copy_.resize(weight.size(0));
+    QSPEC_DISPATCH_ACTIVATION(weight.scalar_type(), "FloatWeight", [&] {
+      load_float(weight.const_data_ptr<scalar_t>(), copy_.data(), weight.size(0));
+    });
+    data_ = copy_.data();
+  }
+  const float* data() const { return data_; }
+
+ private:
+  std::vector<float> copy_;
+  const float* data_ = nullptr;
+};
 
 inline int64_t read_index(const at::Tensor& t, int64_t i) {
   return t.scalar_type() == at::kInt ? static_cast<int64_t>(t.const_data_ptr<int32_t>()[i])

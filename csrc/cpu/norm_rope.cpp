@@ -170,21 +170,21 @@ void check_distinct_slots(std::string_view op, const at::Tensor& slot_mapping) {
 }  // namespace
 
 void rms_norm_cpu(const at::Tensor& rows, const at::Tensor& weight, double eps, at::Tensor& out) {
-  const at::Tensor w = weight_as_float(weight);
+  const FloatWeight w(weight);
   QSPEC_DISPATCH_ACTIVATION(rows.scalar_type(), "rms_norm_cpu", [&] {
     const RowNormParams<scalar_t> p{rows.const_data_ptr<scalar_t>(), rows.stride(0), out.data_ptr<scalar_t>(),
-                                    rows.size(1), nullptr, 0, w.const_data_ptr<float>(), rows.size(1), static_cast<float>(eps)};
+                                    rows.size(1), nullptr, 0, w.data(), rows.size(1), static_cast<float>(eps)};
     at::parallel_for(0, rows.size(0), grain_for(rows.size(1)),
                      [&](int64_t b, int64_t e) { rms_norm_rows(p, b, e); });
   });
 }
 
 void fused_add_rms_norm_cpu(at::Tensor& in_rows, at::Tensor& res_rows, const at::Tensor& weight, double eps) {
-  const at::Tensor w = weight_as_float(weight);
+  const FloatWeight w(weight);
   QSPEC_DISPATCH_ACTIVATION(in_rows.scalar_type(), "fused_add_rms_norm_cpu", [&] {
     scalar_t* in = in_rows.data_ptr<scalar_t>();
     const RowNormParams<scalar_t> p{in, in_rows.stride(0), in, in_rows.stride(0), res_rows.data_ptr<scalar_t>(),
-                                    res_rows.stride(0), w.const_data_ptr<float>(), in_rows.size(1), static_cast<float>(eps)};
+                                    res_rows.stride(0), w.data(), in_rows.size(1), static_cast<float>(eps)};
     at::parallel_for(0, in_rows.size(0), grain_for(in_rows.size(1)),
                      [&](int64_t b, int64_t e) { fused_add_rms_norm_rows(p, b, e); });
   });
@@ -194,14 +194,14 @@ void eagle3_input_norm_cpu(const at::Tensor& embeds, const at::Tensor& hidden, c
                            const at::Tensor& hidden_weight, double eps, bool norm_before_residual, at::Tensor& x,
                            at::Tensor& residual) {
   const int64_t rows = embeds.size(0), width = embeds.size(1);
-  const at::Tensor we = weight_as_float(embed_weight), wh = weight_as_float(hidden_weight);
+  const FloatWeight we(embed_weight), wh(hidden_weight);
   QSPEC_DISPATCH_ACTIVATION(embeds.scalar_type(), "eagle3_input_norm_cpu", [&] {
     scalar_t* out = x.data_ptr<scalar_t>();
     const float e = static_cast<float>(eps);
     const RowNormParams<scalar_t> pe{embeds.const_data_ptr<scalar_t>(), embeds.stride(0), out, 2 * width,
-                                     nullptr, 0, we.const_data_ptr<float>(), width, e};
+                                     nullptr, 0, we.data(), width, e};
     const RowNormParams<scalar_t> ph{hidden.const_data_ptr<scalar_t>(), hidden.stride(0), out + width, 2 * width,
-                                     nullptr, 0, wh.const_data_ptr<float>(), width, e};
+                                     nullptr, 0, wh.data(), width, e};
     at::parallel_for(0, rows, grain_for(2 * width), [&](int64_t b, int64_t end) {
       rms_norm_rows(pe, b, end);
       rms_norm_rows(ph, b, end);
@@ -226,15 +226,15 @@ void qk_norm_rope_cpu(at::Tensor& qkv, const std::optional<at::Tensor>& q_weight
     check_distinct_slots(op, *slot_mapping);
   }
   if (s.num_tokens == 0) return;
-  const at::Tensor qw = s.has_norm ? weight_as_float(*q_weight) : at::Tensor();
-  const at::Tensor kw = s.has_norm ? weight_as_float(*k_weight) : at::Tensor();
+  const std::optional<FloatWeight> qw = s.has_norm ? std::optional<FloatWeight>(*q_weight) : std::nullopt;
+  const std::optional<FloatWeight> kw = s.has_norm ? std::optional<FloatWeight>(*k_weight) : std::nullopt;
   const bool cs_f32 = cos_sin_cache.scalar_type() == at::kFloat;
   QSPEC_DISPATCH_ACTIVATION(qkv.scalar_type(), "qk_norm_rope_cpu", [&] {
     QKNormRopeParams<scalar_t> p{};
     p.qkv = qkv.data_ptr<scalar_t>();
     p.qkv_stride = qkv.stride(0);
-    p.q_weight = s.has_norm ? qw.const_data_ptr<float>() : nullptr;
-    p.k_weight = s.has_norm ? kw.const_data_ptr<float>() : nullptr;
+    p.q_weight = s.has_norm ? qw->data() : nullptr;
+    p.k_weight = s.has_norm ? kw->data() : nullptr;
     p.cos_sin_f32 = cs_f32 ? cos_sin_cache.const_data_ptr<float>() : nullptr;
     p.cos_sin_t = cs_f32 ? nullptr : cos_sin_cache.const_data_ptr<scalar_t>();
     p.positions = &positions;
