@@ -504,5 +504,6 @@ def test_cpu_setup_keeps_freed_activations_mapped():
         return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
     make_drafter().setup(1, 16)
-    faults_of_one_activation()
-    assert faults_of_one_activation() < 1024  # of its 4096 pages (the rest: other allocations, threads)
+    # A few rounds first: a small allocation may split a freed block, and the next comes from fresh pages.
+    faults = [faults_of_one_activation() for _ in range(6)]
+    assert faults[-1] < 1024, faults  # of its 4096 pages (the rest: other allocations, threads)

@@ -26,7 +26,7 @@ from .. import ops, reference
 from ..arguments import check_load
 from ..rope import rope_config, rope_parameters
 from .checkpoint import CheckpointError, check_tensors, load_tensors, read_config, resolve_checkpoint, save_tensors
-from .layers import MLP, Attention, RMSNormWeight, TreeAttention, static_caches, static_cos_sin
+from .layers import MLP, Attention, CachedPositions, RMSNormWeight, TreeAttention, static_caches, static_cos_sin
 from .linear import Linear, pack_linears
 
 logger = logging.getLogger(__name__)
@@ -366,6 +366,7 @@ class Eagle3Drafter(nn.Module):
             x = hidden.reshape(B * T, -1)
         embeds = self.embed_tokens(tokens.reshape(-1))
         residual = out = None
+        at = CachedPositions(positions, self.max_length, tree)
         for i, layer in enumerate(self.layers):
             if i == 0:
                 u, residual = o.eagle3_input_norm(
@@ -374,8 +375,7 @@ class Eagle3Drafter(nn.Module):
             else:
                 o.fused_add_rms_norm_(out, residual, layer.input_layernorm.weight, c.rms_norm_eps)
                 u = out
-            out = layer.self_attn.forward_cached(o, u, self.caches[i], self.cos_sin, positions, c.rms_norm_eps,
-                                                 c.window(i), tree)
+            out = layer.self_attn.forward_cached(o, u, self.caches[i], self.cos_sin, at, c.rms_norm_eps, c.window(i))
             o.fused_add_rms_norm_(out, residual, layer.post_attention_layernorm.weight, c.rms_norm_eps)
             out = layer.mlp(out, o)
         if last_only:

@@ -103,21 +103,17 @@ class Attention(nn.Module):
         return (self.q_norm.weight, self.k_norm.weight) if hasattr(self, "q_norm") else (None, None)
 
     def forward_cached(self, ops, u: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], cos_sin: torch.Tensor,
-                       positions: torch.Tensor, eps: float, window: int | None = None,
-                       tree: "TreeAttention | None" = None) -> torch.Tensor:
-        """o_proj(attention) of u ``[B*T, in]`` at positions ``[B, T]`` (-1 pads): packed QKV,
+                       at: "CachedPositions", eps: float, window: int | None = None) -> torch.Tensor:
+        """o_proj(attention) of u ``[B*T, in]`` at the forward's positions ``at``: packed QKV,
         qk_norm_rope_ with the K/V written into the cache, cached_attention over the slots in use.
         Chains use the slot of each position, causal by position; a draft tree brings its own
         slots and what each node sees (:class:`TreeAttention`)."""
-        batch, tokens = positions.shape
-        max_length = cache[0].shape[0] // batch
+        batch, tokens = at.positions.shape
         qkv = self.qkv(u)
-        slots = cache_slots(positions, max_length) if tree is None else tree.slots
-        ops.qk_norm_rope_(qkv, *self.qk_norm_weights(), cos_sin, positions.reshape(-1).clamp(min=0), self.heads,
-                          self.kv_heads, self.head_dim, eps, True, *cache, slots)
+        ops.qk_norm_rope_(qkv, *self.qk_norm_weights(), cos_sin, at.rope_positions, self.heads, self.kv_heads,
+                          self.head_dim, eps, True, *cache, at.slots)
         q = qkv[:, : self.heads * self.head_dim].reshape(batch, tokens, self.heads, self.head_dim)
-        tree_args = (None, None) if tree is None else (tree.start, tree.seen)
-        context = ops.cached_attention(q, *cache, positions, self.head_dim**-0.5, window or 0, *tree_args)
+        context = ops.cached_attention(q, *cache, at.positions, self.head_dim**-0.5, window or 0, *at.tree_args)
         return self.o_proj(context.reshape(batch * tokens, -1))
 
 
@@ -139,6 +135,19 @@ def cache_slots(positions: torch.Tensor, max_length: int) -> torch.Tensor:
     batch, tokens = positions.shape
     start = torch.arange(batch, device=positions.device)[:, None] * max_length
     return torch.where(positions >= 0, start + positions, -1).reshape(-1)
+
+
+class CachedPositions:
+    """A forward's token positions ``[B, T]`` (-1 pads) and what every layer's cached attention
+    derives from them, once per forward: each token's cache slot (its position's slot in its
+    request's rows, or its draft tree's scratch slot), the RoPE positions (padding rotated as 0,
+    its rows unused) and the tree's attention arguments."""
+
+    def __init__(self, positions: torch.Tensor, max_length: int, tree: "TreeAttention | None" = None):
+        self.positions = positions
+        self.slots = cache_slots(positions, max_length) if tree is None else tree.slots
+        self.rope_positions = positions.reshape(-1).clamp(min=0)
+        self.tree_args = (None, None) if tree is None else (tree.start, tree.seen)
 
 
 class TreeAttention:

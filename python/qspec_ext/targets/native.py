@@ -16,8 +16,8 @@ from ..rope import rope_config
 from ..shipped import cache_root
 from ..models.checkpoint import (CheckpointError, check_tensors, load_tensors, map_tensor, map_tensor_converted,
                                  read_config, resolve_checkpoint, trim_heap)
-from ..models.layers import (MLP, Attention, RMSNormWeight, TreeAttention, join_checkpoint_parts, keep_path,
-                             static_caches, static_cos_sin)
+from ..models.layers import (MLP, Attention, CachedPositions, RMSNormWeight, TreeAttention, join_checkpoint_parts,
+                             keep_path, static_caches, static_cos_sin)
 from ..models.linear import Linear, pack_linears
 from .base import Capabilities
 
@@ -214,6 +214,7 @@ class NativeTarget(nn.Module):
         records = []  # (aux layer, hidden, residual): stored at once, see AuxHiddenCapture.store
         x = self.model.embed_tokens(tokens.reshape(-1))
         residual, out = x, None
+        at = CachedPositions(positions, self.max_length, tree)
         captured = 0 in aux  # residual is the recorded embeddings: layer 0 updates it out of place
         if captured:
             records.append((0, x, None))
@@ -227,8 +228,7 @@ class NativeTarget(nn.Module):
             else:
                 o.fused_add_rms_norm_(out, residual, layer.input_layernorm.weight, c.rms_norm_eps)
                 u = out
-            attn_out = layer.self_attn.forward_cached(o, u, self.caches[i], self.cos_sin, positions, c.rms_norm_eps,
-                                                      tree=tree)
+            attn_out = layer.self_attn.forward_cached(o, u, self.caches[i], self.cos_sin, at, c.rms_norm_eps)
             if captured:
                 residual = residual + attn_out
                 attn_out = o.rms_norm(residual, layer.post_attention_layernorm.weight, c.rms_norm_eps)
