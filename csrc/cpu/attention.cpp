@@ -176,8 +176,9 @@ QSPEC_INLINE void attend_keys_impl(const AttentionParams<T>& p, int64_t b, int64
     }
   }
   constexpr bool kFloat = std::is_same_v<T, float>;
-  // fp32 caches are read in place; others are converted a block (K then V) at a time.
-  std::vector<float> converted(kFloat ? 0 : 2 * kKeyBlock * slot_stride);
+  // fp32 caches are read in place; others are converted a block and a KV head (K then V) at a
+  // time: 16 KB at head_dim 64, in L1 while the head's queries read it (all heads at once spilled).
+  std::vector<float> converted(kFloat ? 0 : 2 * kKeyBlock * D);
   std::vector<char> active(p.tokens), seen(p.tokens * kKeyBlock);
   float scores[kKeyBlock] = {}, weights[kKeyBlock];
   const int64_t first_slot = b * p.max_length;
@@ -185,14 +186,6 @@ QSPEC_INLINE void attend_keys_impl(const AttentionParams<T>& p, int64_t b, int64
     const int64_t n = std::min(kKeyBlock, end - block);
     const T* k_src = p.k_cache + (first_slot + block) * slot_stride;
     const T* v_src = p.v_cache + (first_slot + block) * slot_stride;
-    const float *keys, *values;
-    if constexpr (kFloat) {
-      keys = k_src, values = v_src;
-    } else {
-      load_float(k_src, converted.data(), n * slot_stride);
-      load_float(v_src, converted.data() + kKeyBlock * slot_stride, n * slot_stride);
-      keys = converted.data(), values = converted.data() + kKeyBlock * slot_stride;
-    }
     char seen_by_any[kKeyBlock] = {};
     for (int64_t t = 0; t < p.tokens; ++t) {
       const KeyRange range = ranges[t];
@@ -207,11 +200,23 @@ QSPEC_INLINE void attend_keys_impl(const AttentionParams<T>& p, int64_t b, int64
     bool every_key_seen = true;
     for (int64_t j = 0; j < n; ++j) every_key_seen &= seen_by_any[j] != 0;
     for (int64_t h = 0; h < p.heads_kv; ++h) {
-      const float *head_keys = keys + h * D, *head_values = values + h * D;
+      const float *head_keys, *head_values;
+      int64_t key_stride;
+      if constexpr (kFloat) {
+        head_keys = k_src + h * D, head_values = v_src + h * D, key_stride = slot_stride;
+      } else {
+        float* keys = converted.data();
+        float* values = keys + kKeyBlock * D;
+        for (int64_t j = 0; j < n; ++j) {
+          load_float(k_src + j * slot_stride + h * D, keys + j * D, D);
+          load_float(v_src + j * slot_stride + h * D, values + j * D, D);
+        }
+        head_keys = keys, head_values = values, key_stride = D;
+      }
       for (int64_t i = 0; i < queries; ++i) {
         const int64_t t = i / G, row = h * queries + i;
         if (active[t])
-          attend_block(q.data() + row * D, head_keys, head_values, slot_stride, n, D, seen.data() + t * kKeyBlock,
+          attend_block(q.data() + row * D, head_keys, head_values, key_stride, n, D, seen.data() + t * kKeyBlock,
                        every_key_seen, state + row * width, scores, weights);
       }
     }
