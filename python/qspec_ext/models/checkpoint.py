@@ -226,6 +226,9 @@ def _malloc_trim():
     return getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc's; None elsewhere
 
 
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
+
+
 @functools.cache
 def reuse_freed_heap() -> None:
     """Keeps the C heap's freed memory mapped for the next allocation (glibc's ``mallopt``: blocks up
@@ -239,9 +242,6 @@ def reuse_freed_heap() -> None:
     if mallopt is not None:
         mallopt(_M_MMAP_THRESHOLD, 32 << 20)
         mallopt(_M_TRIM_THRESHOLD, 1 << 30)
-
-
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
 
 
 def trim_heap() -> None:
