@@ -122,14 +122,12 @@ QSPEC_INLINE void reset_states(float* state, int64_t count, int64_t width) {
 
 // One state row's update by a key block: scores of unseen keys masked, the running max and sum
 // moved, the accumulator rescaled; weights = the block's softmax numerators (0 for unseen keys).
-QSPEC_INLINE void online_softmax(float* __restrict__ scores, const char* __restrict__ sees, int64_t D,
+// False (the row and weights untouched) when the row sees no key of the block.
+QSPEC_INLINE bool online_softmax(float* __restrict__ scores, const char* __restrict__ sees, int64_t D,
                                  float* __restrict__ row, float* __restrict__ weights) {
   for (int64_t j = 0; j < kKeyBlock; ++j) scores[j] = sees[j] ? scores[j] : kNegInf;
   const float top = block_max(scores);
-  if (top == kNegInf) {
-    std::fill_n(weights, kKeyBlock, 0.f);
-    return;
-  }
+  if (top == kNegInf) return false;
   const float new_max = std::max(row[0], top);
   const float correction = vec_exp(row[0] - new_max);  // 0 while nothing was seen
   if (correction != 1.f) {
@@ -139,6 +137,7 @@ QSPEC_INLINE void online_softmax(float* __restrict__ scores, const char* __restr
   for (int64_t j = 0; j < kKeyBlock; ++j) weights[j] = vec_exp(scores[j] - new_max);  // unseen: 0
   row[1] += block_sum(weights);
   row[0] = new_max;
+  return true;
 }
 
 // One query (its scaled row q, its state row) over one key block of KV head h (keys, values).
@@ -149,7 +148,7 @@ QSPEC_INLINE void attend_block(const float* __restrict__ q, const float* __restr
                                const char* __restrict__ sees, bool every_key_seen, float* __restrict__ row,
                                float* __restrict__ scores, float* __restrict__ weights) {
   for (int64_t j = 0; j < n; j += 8) score_keys8(q, keys + j * stride, stride, n - j, D, scores + j);
-  online_softmax(scores, sees, D, row, weights);
+  if (!online_softmax(scores, sees, D, row, weights)) return;
   if (every_key_seen)
     accumulate_values<false>(weights, values, stride, n, D, row + 2);
   else

@@ -74,10 +74,11 @@ void gather_aux_hidden_cpu(std::string_view op, at::TensorList aux, const at::Te
               aux[0].device());
   check_index_range(op, "indices", indices, -1, s.num_source, "source rows, -1 = padding");
   if (s.num_rows == 0 || s.hidden == 0) return;
-  std::optional<at::Tensor> weight;
-  if (norm_weight.has_value()) weight = weight_as_float(*norm_weight);
+  std::optional<FloatWeight> weight;
+  if (norm_weight.has_value()) weight.emplace(*norm_weight);
   QSPEC_DISPATCH_ACTIVATION(aux[0].scalar_type(), "gather_aux_hidden_cpu", [&] {
-    const AuxGatherParams<scalar_t> p = aux_gather_params<scalar_t>(aux, indices, residual, weight, eps, s, out);
+    AuxGatherParams<scalar_t> p = aux_gather_params<scalar_t>(aux, indices, residual, norm_weight, eps, s, out);
+    if (weight.has_value()) p.weight = weight->data(), p.weight_f32 = true;
     at::parallel_for(0, s.num_rows, grain_for(s.num_aux * s.hidden),
                      [&](int64_t b, int64_t e) { gather_rows(p, b, e); });
   });

@@ -101,23 +101,20 @@ QSPEC_INLINE void rms_normalize(float* __restrict__ x, const float* __restrict__
   for (int64_t i = 0; i < n; ++i) x[i] = x[i] * inv * weight[i];
 }
 
-// A norm weight as contiguous fp32 (weights may be stored in fp32 or the activation
-// dtype); no copy when it already is.
-inline at::Tensor weight_as_float(const at::Tensor& weight) { return weight.to(at::kFloat).contiguous(); }
-
-// A norm weight's values (1-D, contiguous) as fp32 on the host: its own data when it is that, else a
-// copy converted here (a few KB per call; a tensor op's allocation and dispatch cost more).
+// A norm weight's values (contiguous; stored in fp32 or the activation dtype) as fp32 on the host:
+// its own data when it is fp32, else a copy converted here (a few KB per call; a tensor op's
+// allocation and dispatch cost more).
 class FloatWeight {
  public:
   explicit FloatWeight(const at::Tensor& weight) {
-    TORCH_INTERNAL_ASSERT(weight.dim() == 1 && weight.is_contiguous());  // the ops' checks
+    TORCH_INTERNAL_ASSERT(weight.is_contiguous());  // the ops' checks
     if (weight.scalar_type() == at::kFloat) {
       data_ = weight.const_data_ptr<float>();
       return;
     }
-    copy_.resize(weight.size(0));
+    copy_.resize(weight.numel());
     QSPEC_DISPATCH_ACTIVATION(weight.scalar_type(), "FloatWeight", [&] {
-      load_float(weight.const_data_ptr<scalar_t>(), copy_.data(), weight.size(0));
+      load_float(weight.const_data_ptr<scalar_t>(), copy_.data(), weight.numel());
     });
     data_ = copy_.data();
   }

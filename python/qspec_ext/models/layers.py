@@ -130,22 +130,19 @@ class MLP(nn.Module):
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
-def cache_slots(positions: torch.Tensor, max_length: int) -> torch.Tensor:
-    """KV-cache slot of each token ``[B*T]``: request b's rows start at b * max_length; -1 pads."""
-    batch, tokens = positions.shape
-    start = torch.arange(batch, device=positions.device)[:, None] * max_length
-    return torch.where(positions >= 0, start + positions, -1).reshape(-1)
-
-
 class CachedPositions:
     """A forward's token positions ``[B, T]`` (-1 pads) and what every layer's cached attention
-    derives from them, once per forward: each token's cache slot (its position's slot in its
-    request's rows, or its draft tree's scratch slot), the RoPE positions (padding rotated as 0,
-    its rows unused) and the tree's attention arguments."""
+    derives from them, once per forward: each token's cache slot ``[B*T]`` (its position's slot in
+    its request's rows, which start at b * max_length; its draft tree's scratch slot; -1 pads), the
+    RoPE positions (padding rotated as 0, its rows unused) and the tree's attention arguments."""
 
     def __init__(self, positions: torch.Tensor, max_length: int, tree: "TreeAttention | None" = None):
         self.positions = positions
-        self.slots = cache_slots(positions, max_length) if tree is None else tree.slots
+        if tree is None:
+            start = torch.arange(positions.shape[0], device=positions.device)[:, None] * max_length
+            self.slots = torch.where(positions >= 0, start + positions, -1).reshape(-1)
+        else:
+            self.slots = tree.slots
         self.rope_positions = positions.reshape(-1).clamp(min=0)
         self.tree_args = (None, None) if tree is None else (tree.start, tree.seen)
 
