@@ -100,7 +100,8 @@ class Attention(nn.Module):
         return self.qkv_proj(x)
 
     def qk_norm_weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        return (self.q_norm.weight, self.k_norm.weight) if hasattr(self, "q_norm") else (None, None)
+        q_norm = self._modules.get("q_norm")  # not hasattr: a missing module raises inside nn.Module, slowly
+        return (None, None) if q_norm is None else (q_norm.weight, self.k_norm.weight)
 
     def forward_cached(self, ops, u: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], cos_sin: torch.Tensor,
                        at: "CachedPositions", eps: float, window: int | None = None) -> torch.Tensor:

@@ -74,10 +74,16 @@ class Linear(nn.Linear):
         return self.packed_weight is not None and self.weight.is_meta
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        packed, compiling = self.packed_weight, torch.compiler.is_compiling()
-        if (packed is not None and x.device.type == "cpu" and x.dtype == packed.dtype and self.bias is None
+        # Called a few hundred times a decode step: the packed path's checks read the parameter
+        # dict directly (nn.Module's attribute lookup costs more than the checks) and a 2-D input
+        # is not reshaped.
+        packed, params = self.packed_weight, self._parameters
+        if (packed is not None and x.dtype == packed.dtype and x.is_cpu and params["bias"] is None
                 and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
-                and (compiling or self.weight.is_meta or self.packed_from == weight_key(self.weight))):
+                and (torch.compiler.is_compiling() or params["weight"].is_meta
+                     or self.packed_from == weight_key(params["weight"]))):
+            if x.dim() == 2:
+                return ops.packed_linear(x, packed, self.out_features)
             out = ops.packed_linear(x.reshape(-1, x.shape[-1]), packed, self.out_features)
             return out.view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.dense_weight(), self.bias)
