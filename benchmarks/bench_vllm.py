@@ -8,7 +8,9 @@ each batch size. Run it in the vLLM venv (scripts/make_vllm_venv.sh):
 
 Engines: qspec_ext (its own loop), vllm (stock: the qspec_ext plugin off), vllm+plugin (every
 seam of qspec_ext.integrations.vllm on), vllm+SEAM (that seam alone, e.g. vllm+rms_norm).
-Ratios are against the second engine listed (default: qspec_ext / vLLM).
+Ratios are against the second engine listed (default: qspec_ext / vLLM). An engine name may end in
+:eager or :compiled, its mode in place of --mode (the fastest mode of each engine side by side:
+--engines qspec_ext:eager vllm:compiled).
 
 Each measurement is a child process pinned to the first N cores (qspec_ext: torch threads = N;
 vLLM: VLLM_CPU_OMP_THREADS_BIND=0-(N-1), no reserved core), in-process engine; --mode eager
@@ -133,7 +135,17 @@ def plugin_disabled(engine: str) -> str:
     return ",".join(s for s in SEAMS if s != seam)
 
 
+def engine_mode(engine: str, default: str) -> tuple[str, str]:
+    """(engine, mode) of an --engines entry: NAME or NAME:eager / NAME:compiled."""
+    name, _, mode = engine.partition(":")
+    if mode not in ("", "eager", "compiled"):
+        sys.exit(f"bench_vllm: --engines: {engine!r}: the mode after ':' must be eager or compiled, got {mode!r}")
+    return name, mode or default
+
+
 def run_engine(engine: str, job: dict) -> dict:
+    engine, mode = engine_mode(engine, job["mode"])
+    job = dict(job, mode=mode)
     cores = job["cores"]
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
                VLLM_CPU_OMP_THREADS_BIND=f"0-{cores - 1}" if cores > 1 else "0", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
@@ -168,7 +180,7 @@ def main():
         parser.error(f"--batch {max(args.batch)} needs at least that many prompts (--prompts {args.prompts}): "
                      f"a batch is that many requests at once")
     for engine in args.engines:
-        plugin_disabled(engine)  # an unknown name fails before any child runs
+        plugin_disabled(engine_mode(engine, args.mode)[0])  # an unknown name fails before any child runs
     base = dict(pair=args.pair, prompts=prompts_of(args.pair, args.prompts), k=args.k, batch=args.batch,
                 max_new_tokens=args.max_new_tokens, dtype=args.dtype, kinds=args.kinds, mode=args.mode)
     runs = {}  # (engine, cores) -> [round results]
