@@ -39,6 +39,7 @@ CPP_SOURCES = ("csrc", "CMakeLists.txt", "setup.py", "pyproject.toml", "README.m
 
 DEC, DRAFTER, TR = "tests/test_decode.py::", "tests/test_eagle3_drafter.py::", "tests/test_train.py::"
 VERIFY = "tests/test_verify.py::"
+DECODER_LAYER = "tests/test_decoder_layer.py::"
 LOSSLESS = DEC + "test_greedy_is_lossless_builtin_target[5-3]"  # batch 5, k 3, a drafter right most of the time
 SAMPLED = DEC + "test_sampling_follows_the_target_distribution"
 SHIPPED = TR + "test_shipped_pair_accepts_drafts"
@@ -105,13 +106,14 @@ MUTANTS = [
     Mutant("tree_positions_one_too_deep", TREE,
            "depths = ancestors.sum(-1) - 1", "depths = ancestors.sum(-1)", (TREE_LOSSLESS,)),
     Mutant("packed_weight_used_after_the_weight_changed", LINEAR,
-           "or self.packed_from == weight_key(self.weight))", "or True)",
+           "or self.packed_from == weight_key(params[\"weight\"]))", "or True)",
            ("tests/test_linear.py::test_a_weight_changed_after_packing_is_used_not_the_stale_copy",)),
     Mutant("packed_linear_used_under_autograd", LINEAR,
            "and not torch.is_grad_enabled() and", "and",
            ("tests/test_linear.py::test_packed_path_runs_only_under_no_grad_and_takes_strided_rows",)),
     Mutant("compiled_projection_skips_the_packed_op", LINEAR,
-           "and (compiling or self.weight.is_meta", "and (not compiling) and (self.weight.is_meta",
+           "and (torch.compiler.is_compiling() or params[\"weight\"].is_meta",
+           "and (not torch.compiler.is_compiling()) and (params[\"weight\"].is_meta",
            ("tests/test_linear.py::test_the_op_compiles_into_a_static_graph",)),
     Mutant("released_weight_saved_without_its_values", LINEAR,
            'destination[prefix + "weight"] = self.dense_weight()', "pass",
@@ -351,6 +353,19 @@ MUTANTS = [
     Mutant("cuda_graph_results_left_in_graph_memory", f"{PKG}/compiled.py",
            "        return _copied(result)\n", "        return result\n",
            ("tests/test_compiled.py::test_cuda_graph_results_are_copied_out_of_the_graph_memory",)),
+    Mutant("decoder_layer_second_norm_with_the_first_weight", "csrc/decoder_layer.cpp",
+           "fused_add_rms_norm.call(attended, residual, post_norm, eps);",
+           "fused_add_rms_norm.call(attended, residual, input_norm, eps);",
+           (DECODER_LAYER + "test_matches_the_reference_composition",)),
+    Mutant("decoder_layer_mlp_output_not_written_back", "csrc/decoder_layer.cpp",
+           "  hidden.copy_(project(", "  (project(", (DECODER_LAYER + "test_matches_the_reference_composition",)),
+    Mutant("decoder_layer_tree_not_passed_to_attention", "csrc/decoder_layer.cpp",
+           "0, tree_start, tree_seen);", "0, std::nullopt, std::nullopt);",
+           (DECODER_LAYER + "test_matches_the_reference_composition",)),
+    Mutant("native_aux_features_recorded_by_reference", NATIVE,
+           "records.append((i, hidden.clone(), residual.clone() if i else None))",
+           "records.append((i, hidden, residual if i else None))",
+           (TARGETS + "test_llama_target_matches_transformers",)),
     Mutant("rope_table_rebuilt_at_every_setup", LAYERS,
            "if existing is not None and existing.shape[0] == max_length", "if False",
            ("tests/test_compiled.py::test_setup_keeps_the_rope_tables_and_caches_that_fit",)),

@@ -270,6 +270,47 @@ def packed_linear(input: torch.Tensor, packed_weight: torch.Tensor, out_features
     return _ops.packed_linear(input, packed_weight, out_features)
 
 
+def decoder_layer_(
+    hidden: torch.Tensor,
+    residual: torch.Tensor,
+    input_norm: torch.Tensor,
+    post_norm: torch.Tensor,
+    qkv_weight: torch.Tensor,
+    o_weight: torch.Tensor,
+    gate_up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+    rope_positions: torch.Tensor,
+    slots: torch.Tensor,
+    tree_start: torch.Tensor | None,
+    tree_seen: torch.Tensor | None,
+    num_heads_q: int,
+    num_heads_kv: int,
+    head_dim: int,
+    intermediate_size: int,
+    eps: float,
+) -> None:
+    """One pre-norm decoder layer (Llama / Qwen3: the native target's), in place, composed of the
+    ops above in one call: ``residual += hidden``; ``u = RMSNorm(residual) * input_norm``;
+    ``qkv = u @ qkv_weight^T``; ``qk_norm_rope_`` (neox RoPE at ``rope_positions``, per-head
+    ``q_norm`` / ``k_norm`` if given) writing K and V into the caches at ``slots``;
+    ``cached_attention`` of the queries ``[B, T, Hq, D]`` at ``positions [B, T]`` (the tree pair if
+    given), scale ``D ** -0.5``; ``a = context @ o_weight^T``; ``residual += a``; ``hidden =
+    down(silu_and_mul(gate_up(RMSNorm(residual) * post_norm)))``.
+
+    hidden, residual: ``[B*T, H]``, same dtype; projection weights ``[N, K]`` as stored, or packed
+    (``models.linear.pack_weight``, CPU: through ``packed_linear``).
+    """
+    _ops.decoder_layer_(hidden, residual, input_norm, post_norm, qkv_weight, o_weight, gate_up_weight, down_weight,
+                        q_norm, k_norm, k_cache, v_cache, cos_sin_cache, positions, rope_positions, slots, tree_start,
+                        tree_seen, num_heads_q, num_heads_kv, head_dim, intermediate_size, eps)
+
+
 @torch.library.register_fake("qspec_ext::cached_attention")
 def _cached_attention_fake(query, k_cache, v_cache, positions, scale, window=0, tree_start=None, tree_seen=None):
     return torch.empty_like(query, memory_format=torch.contiguous_format)

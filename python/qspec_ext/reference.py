@@ -153,6 +153,15 @@ def packed_linear(input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (input.double() @ weight.double().T).to(input.dtype)
 
 
+def project(x: torch.Tensor, weight: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x @ W^T for W [N, K] as stored, or packed in panels ([ceil(N / 16), ceil(K / G), 16, G]: column
+    p * 16 + n is lane n of panel p, a lane G consecutive inputs), in the input's dtype."""
+    if weight.dim() == 4:
+        panels, lanes, panel, group = weight.shape
+        weight = weight.transpose(1, 2).reshape(panels * panel, lanes * group)[:out_features, : x.shape[-1]]
+    return packed_linear(x, weight)
+
+
 # ----------------------------------------------------------------------------- activation
 
 
@@ -307,3 +316,24 @@ def verify_tree(draft_ids, parents, target_logits, temperature=None, seed=None, 
             node, depth = min(match), depth + 1
         accepted[b] = depth
     return out, accepted, path
+
+
+# ----------------------------------------------------------------------------- decoder layer
+
+
+def decoder_layer_(hidden, residual, input_norm, post_norm, qkv_weight, o_weight, gate_up_weight, down_weight,
+                   q_norm, k_norm, k_cache, v_cache, cos_sin_cache, positions, rope_positions, slots, tree_start,
+                   tree_seen, num_heads_q, num_heads_kv, head_dim, intermediate_size, eps) -> None:
+    """One pre-norm decoder layer in place (see ops.decoder_layer_), from the reference ops."""
+    batch, tokens = positions.shape
+    width = hidden.shape[1]
+    fused_add_rms_norm_(hidden, residual, input_norm, eps)
+    qkv = project(hidden, qkv_weight, (num_heads_q + 2 * num_heads_kv) * head_dim)
+    qk_norm_rope_(qkv, q_norm, k_norm, cos_sin_cache, rope_positions, num_heads_q, num_heads_kv, head_dim, eps, True,
+                  k_cache, v_cache, slots)
+    query = qkv[:, : num_heads_q * head_dim].reshape(batch, tokens, num_heads_q, head_dim)
+    context = cached_attention(query, k_cache, v_cache, positions, head_dim**-0.5, 0, tree_start, tree_seen)
+    attended = project(context.reshape(batch * tokens, -1), o_weight, width)
+    fused_add_rms_norm_(attended, residual, post_norm, eps)
+    gated = silu_and_mul(project(attended, gate_up_weight, 2 * intermediate_size))
+    hidden.copy_(project(gated, down_weight, width))

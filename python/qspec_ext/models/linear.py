@@ -73,20 +73,32 @@ class Linear(nn.Linear):
         """The weight was handed over to the packed copy (``pack_linears(..., release=True)``)."""
         return self.packed_weight is not None and self.weight.is_meta
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Called a few hundred times a decode step: the packed path's checks read the parameter
-        # dict directly (nn.Module's attribute lookup costs more than the checks) and a 2-D input
-        # is not reshaped.
+    def packed_for(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The packed weight when it serves ``x``: CPU inference (no autograd, no autocast) in its
+        dtype, no bias, while it still holds the weight's values; else None."""
+        # Called a few hundred times a decode step: the checks read the parameter dict directly
+        # (nn.Module's attribute lookup costs more than the checks).
         packed, params = self.packed_weight, self._parameters
         if (packed is not None and x.dtype == packed.dtype and x.is_cpu and params["bias"] is None
                 and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
                 and (torch.compiler.is_compiling() or params["weight"].is_meta
                      or self.packed_from == weight_key(params["weight"]))):
-            if x.dim() == 2:
-                return ops.packed_linear(x, packed, self.out_features)
-            out = ops.packed_linear(x.reshape(-1, x.shape[-1]), packed, self.out_features)
-            return out.view(*x.shape[:-1], self.out_features)
-        return F.linear(x, self.dense_weight(), self.bias)
+            return packed
+        return None
+
+    def inference_weight(self, x: torch.Tensor) -> torch.Tensor:
+        """The weight an op projecting ``x`` takes (``decoder_layer_``): packed where it serves, else dense."""
+        packed = self.packed_for(x)
+        return self.dense_weight() if packed is None else packed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = self.packed_for(x)
+        if packed is None:
+            return F.linear(x, self.dense_weight(), self.bias)
+        if x.dim() == 2:
+            return ops.packed_linear(x, packed, self.out_features)
+        out = ops.packed_linear(x.reshape(-1, x.shape[-1]), packed, self.out_features)
+        return out.view(*x.shape[:-1], self.out_features)
 
     def dense_weight(self) -> torch.Tensor:
         """The weight's values: itself, or unpacked from the packed copy it was handed over to."""

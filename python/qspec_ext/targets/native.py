@@ -87,6 +87,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNormWeight(c.hidden_size)
         self.mlp = MLP(c.hidden_size, c.intermediate_size)
 
+    def forward_cached(self, ops, hidden: torch.Tensor, residual: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
+                       cos_sin: torch.Tensor, at: CachedPositions, c: NativeConfig) -> None:
+        """In place on the stream ``hidden + residual`` ``[B*T, H]`` (its two parts updated), the
+        layer's K/V written into ``cache`` at the forward's positions ``at``: ``ops.decoder_layer_``."""
+        attn, mlp = self.self_attn, self.mlp
+        ops.decoder_layer_(hidden, residual, self.input_layernorm.weight, self.post_attention_layernorm.weight,
+                           attn.qkv_proj.inference_weight(hidden), attn.o_proj.inference_weight(hidden),
+                           mlp.gate_up_proj.inference_weight(hidden), mlp.down_proj.inference_weight(hidden),
+                           *attn.qk_norm_weights(), *cache, cos_sin, at.positions, at.rope_positions, at.slots,
+                           *at.tree_args, attn.heads, attn.kv_heads, attn.head_dim, c.intermediate_size,
+                           c.rms_norm_eps)
+
 
 class NativeModel(nn.Module):
     def __init__(self, c: NativeConfig):
@@ -212,36 +224,19 @@ class NativeTarget(nn.Module):
             raise RuntimeError(f"NativeTarget: call setup({B}, max_length) first")
         aux = set(self.aux_layer_ids)
         records = []  # (aux layer, hidden, residual): stored at once, see AuxHiddenCapture.store
-        x = self.model.embed_tokens(tokens.reshape(-1))
-        residual, out = x, None
+        hidden = self.model.embed_tokens(tokens.reshape(-1))
+        residual = torch.zeros_like(hidden)  # layer 0 adds the embeddings to it: residual = them
         at = CachedPositions(positions, self.max_length, tree)
-        captured = 0 in aux  # residual is the recorded embeddings: layer 0 updates it out of place
-        if captured:
-            records.append((0, x, None))
         for i, layer in enumerate(self.model.layers):
-            if i == 0:
-                u = o.rms_norm(x, layer.input_layernorm.weight, c.rms_norm_eps)
-            elif i in aux:  # keep (out, residual) intact: the stream entering layer i, by reference
-                records.append((i, out, residual))
-                residual = residual + out
-                u = o.rms_norm(residual, layer.input_layernorm.weight, c.rms_norm_eps)
-            else:
-                o.fused_add_rms_norm_(out, residual, layer.input_layernorm.weight, c.rms_norm_eps)
-                u = out
-            attn_out = layer.self_attn.forward_cached(o, u, self.caches[i], self.cos_sin, at, c.rms_norm_eps)
-            if captured:
-                residual = residual + attn_out
-                attn_out = o.rms_norm(residual, layer.post_attention_layernorm.weight, c.rms_norm_eps)
-                captured = False
-            else:
-                o.fused_add_rms_norm_(attn_out, residual, layer.post_attention_layernorm.weight, c.rms_norm_eps)
-            out = layer.mlp(attn_out, o)
+            if i in aux:  # the stream entering layer i, copied: the layer updates both parts in place
+                records.append((i, hidden.clone(), residual.clone() if i else None))
+            layer.forward_cached(o, hidden, residual, self.caches[i], self.cos_sin, at, c)
         if c.num_hidden_layers in aux:
-            records.append((c.num_hidden_layers, out, residual))
-            z = o.rms_norm(residual + out, self.model.norm.weight, c.rms_norm_eps)
+            records.append((c.num_hidden_layers, hidden, residual))
+            z = o.rms_norm(residual + hidden, self.model.norm.weight, c.rms_norm_eps)
         else:
-            o.fused_add_rms_norm_(out, residual, self.model.norm.weight, c.rms_norm_eps)
-            z = out
+            o.fused_add_rms_norm_(hidden, residual, self.model.norm.weight, c.rms_norm_eps)
+            z = hidden
         self.capture.store(records)
         z = z.view(B, T, -1)
         if last_only:

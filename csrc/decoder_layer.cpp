@@ -1,0 +1,92 @@
+// decoder_layer_: one pre-norm decoder layer of a Llama / Qwen3 target, in place, composed of the
+// other ops: the fused residual add and RMSNorm, the QKV projection, qk_norm_rope_ (writing the
+// layer's K/V cache), cached_attention, the output projection, the second fused add and norm, the
+// gated MLP (silu_and_mul). One call per layer instead of a dozen from Python: a decode step's
+// arithmetic is a few ms, and at 30 layers the Python between the ops cost 1.5-2 ms of it
+// (benchmarks/HISTORY.md). Device-generic: the pieces go through the dispatcher (CPU or CUDA
+// kernels), a projection through packed_linear when its weight is packed (4-D, CPU), else
+// at::linear.
+#include <cmath>
+#include <optional>
+#include <string_view>
+#include <utility>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/linear.h>
+#include <torch/library.h>
+
+#include "checks.h"
+
+namespace qspec_ext {
+namespace {
+
+constexpr std::string_view kOp = "decoder_layer_";
+
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> op_handle(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+// x [M, K] @ weight^T: weight [N, K] as stored, or packed (qspec_ext.models.linear.pack_weight).
+at::Tensor project(std::string_view name, const at::Tensor& x, const at::Tensor& weight, int64_t out_features) {
+  static const auto packed_linear =
+      op_handle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>("qspec_ext::packed_linear");
+  if (weight.dim() == 4) return packed_linear.call(x, weight, out_features);
+  QSPEC_CHECK(weight.dim() == 2 && weight.size(0) == out_features && weight.size(1) == x.size(1), kOp, name,
+              "must be [", out_features, ", ", x.size(1), "] (or packed, 4-D), got ", weight.sizes());
+  return at::linear(x, weight);
+}
+
+void decoder_layer(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& input_norm,
+                   const at::Tensor& post_norm, const at::Tensor& qkv_weight, const at::Tensor& o_weight,
+                   const at::Tensor& gate_up_weight, const at::Tensor& down_weight,
+                   const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
+                   at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& cos_sin_cache,
+                   const at::Tensor& positions, const at::Tensor& rope_positions, const at::Tensor& slots,
+                   const std::optional<at::Tensor>& tree_start, const std::optional<at::Tensor>& tree_seen,
+                   int64_t num_heads_q, int64_t num_heads_kv, int64_t head_dim, int64_t intermediate_size,
+                   double eps) {
+  static const auto fused_add_rms_norm =
+      op_handle<void(at::Tensor&, at::Tensor&, const at::Tensor&, double)>("qspec_ext::fused_add_rms_norm_");
+  static const auto qk_norm_rope = op_handle<void(
+      at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, const at::Tensor&,
+      const at::Tensor&, int64_t, int64_t, int64_t, double, bool, const std::optional<at::Tensor>&,
+      const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>("qspec_ext::qk_norm_rope_");
+  static const auto cached_attention = op_handle<at::Tensor(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t,
+      const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>("qspec_ext::cached_attention");
+  static const auto silu_and_mul = op_handle<at::Tensor(const at::Tensor&)>("qspec_ext::silu_and_mul");
+
+  QSPEC_CHECK(hidden.dim() == 2, kOp, "hidden", "must be 2-D [tokens, hidden_size], got ", hidden.sizes());
+  QSPEC_CHECK(residual.sizes() == hidden.sizes() && residual.scalar_type() == hidden.scalar_type(), kOp, "residual",
+              "must match hidden ", hidden.sizes(), " ", hidden.scalar_type(), ", got ", residual.sizes(), " ",
+              residual.scalar_type());
+  QSPEC_CHECK(positions.dim() == 2 && positions.size(0) * positions.size(1) == hidden.size(0), kOp, "positions",
+              "must be [batch, tokens] with batch * tokens = hidden's ", hidden.size(0), " rows, got ",
+              positions.sizes());
+  for (const auto& [name, size] : {std::pair<std::string_view, int64_t>{"num_heads_q", num_heads_q},
+                                    {"num_heads_kv", num_heads_kv}, {"head_dim", head_dim},
+                                    {"intermediate_size", intermediate_size}})
+    QSPEC_CHECK(size > 0, kOp, name, "must be positive, got ", size);
+  const int64_t rows = hidden.size(0), width = hidden.size(1), q_width = num_heads_q * head_dim;
+
+  fused_add_rms_norm.call(hidden, residual, input_norm, eps);  // residual += hidden; hidden = its norm
+  at::Tensor qkv = project("qkv_weight", hidden, qkv_weight, q_width + 2 * num_heads_kv * head_dim);
+  qk_norm_rope.call(qkv, q_norm, k_norm, cos_sin_cache, rope_positions, num_heads_q, num_heads_kv, head_dim, eps,
+                    true, k_cache, v_cache, slots);
+  const at::Tensor query = qkv.narrow(1, 0, q_width).view({positions.size(0), positions.size(1), num_heads_q, head_dim});
+  const at::Tensor context = cached_attention.call(query, k_cache, v_cache, positions, std::pow(double(head_dim), -0.5),
+                                                   0, tree_start, tree_seen);
+  at::Tensor attended = project("o_weight", context.view({rows, q_width}), o_weight, width);
+  fused_add_rms_norm.call(attended, residual, post_norm, eps);
+  const at::Tensor gated = silu_and_mul.call(project("gate_up_weight", attended, gate_up_weight, 2 * intermediate_size));
+  hidden.copy_(project("down_weight", gated, down_weight, width));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(qspec_ext, CPU, m) { m.impl("decoder_layer_", &decoder_layer); }
+TORCH_LIBRARY_IMPL(qspec_ext, CUDA, m) { m.impl("decoder_layer_", &decoder_layer); }
+
+}  // namespace qspec_ext

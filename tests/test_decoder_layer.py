@@ -1,0 +1,122 @@
+"""decoder_layer_: one pre-norm decoder layer in one call, against the reference composition
+(dense and packed weights, with and without q/k norms, chains with padding and draft trees, the
+caches it writes), opcheck, compile, the native target on it, bad input."""
+
+import pytest
+import torch
+from conftest import assert_close
+
+from qspec_ext import ops, reference
+from qspec_ext.models.layers import TreeAttention
+from qspec_ext.models.linear import pack_weight
+from qspec_ext.rope import rope_cos_sin_cache
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, LENGTH = 48, 4, 2, 16, 40, 32
+
+
+def layer_args(device, dtype, *, packed=False, qk_norm=True, tree=False, seed=0):
+    """Arguments of one call: 2 requests x 3 tokens at positions 5-7 and 9-11 (the second
+    request's last token padding), caches holding earlier keys and values."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=g)).to(dtype).to(device)
+
+    qkv_width = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    weights = [rand(qkv_width, HIDDEN, scale=0.2), rand(HIDDEN, HEADS * HEAD_DIM, scale=0.2),
+               rand(2 * INTERMEDIATE, HIDDEN, scale=0.2), rand(HIDDEN, INTERMEDIATE, scale=0.2)]
+    if packed:
+        weights = [pack_weight(w) for w in weights]
+    positions = torch.tensor([[5, 6, 7], [9, 10, -1]], device=device)
+    batch, tokens = positions.shape
+    if tree:  # each request's 3 tokens: a root and two children, from slot position[b, 0] on
+        seen = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool, device=device)
+        at = TreeAttention(positions[:, 0], seen.expand(batch, -1, -1).contiguous(), LENGTH)
+        slots, tree_args = at.slots, (at.start, at.seen)
+    else:
+        start = torch.arange(batch, device=device)[:, None] * LENGTH
+        slots, tree_args = torch.where(positions >= 0, start + positions, -1).reshape(-1), (None, None)
+    norms = (rand(HEAD_DIM, scale=0.1) + 1, rand(HEAD_DIM, scale=0.1) + 1) if qk_norm else (None, None)
+    return dict(
+        hidden=rand(batch * tokens, HIDDEN), residual=rand(batch * tokens, HIDDEN),
+        input_norm=rand(HIDDEN, scale=0.1) + 1, post_norm=rand(HIDDEN, scale=0.1) + 1,
+        qkv_weight=weights[0], o_weight=weights[1], gate_up_weight=weights[2], down_weight=weights[3],
+        q_norm=norms[0], k_norm=norms[1],
+        k_cache=rand(batch * LENGTH, KV_HEADS, HEAD_DIM), v_cache=rand(batch * LENGTH, KV_HEADS, HEAD_DIM),
+        cos_sin_cache=rope_cos_sin_cache(LENGTH, HEAD_DIM, 10000.0, torch.float32, device),
+        positions=positions, rope_positions=positions.reshape(-1).clamp(min=0), slots=slots,
+        tree_start=tree_args[0], tree_seen=tree_args[1], num_heads_q=HEADS, num_heads_kv=KV_HEADS,
+        head_dim=HEAD_DIM, intermediate_size=INTERMEDIATE, eps=1e-6)
+
+
+def cloned(args: dict) -> dict:
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+
+
+def run_both(args: dict) -> tuple[dict, dict]:
+    got, expected = cloned(args), cloned(args)
+    with torch.no_grad():
+        ops.decoder_layer_(**got)
+        reference.decoder_layer_(**expected)
+    return got, expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("qk_norm", [True, False])
+@pytest.mark.parametrize("tree", [False, True])
+def test_matches_the_reference_composition(device, dtype, packed, qk_norm, tree):
+    if packed and device != "cpu":
+        pytest.skip("packed weights are the CPU's inference path")
+    args = layer_args(device, dtype, packed=packed, qk_norm=qk_norm, tree=tree)
+    got, expected = run_both(args)
+    for name in ("hidden", "residual", "k_cache", "v_cache"):
+        assert_close(got[name], expected[name])
+    # It changed what it updates: the stream, and the caches at the written slots only.
+    assert not torch.equal(got["hidden"], args["hidden"]) and not torch.equal(got["residual"], args["residual"])
+    written = args["slots"][args["slots"] >= 0]
+    unwritten = torch.ones(args["k_cache"].shape[0], dtype=torch.bool, device=device)
+    unwritten[written] = False
+    assert torch.equal(got["k_cache"][unwritten], args["k_cache"][unwritten])
+    assert not torch.equal(got["k_cache"][written], args["k_cache"][written])
+
+
+def test_the_residual_is_the_stream_entering_the_mlp(device):
+    # residual' = residual + hidden + attention: with zero o_weight the attention adds nothing.
+    args = layer_args(device, torch.float32)
+    args["o_weight"] = torch.zeros_like(args["o_weight"])
+    stream = args["hidden"] + args["residual"]
+    got, _ = run_both(args)
+    assert_close(got["residual"], stream)
+
+
+def test_opcheck_and_compile(device):
+    args = layer_args(device, torch.float32)
+    torch.library.opcheck(torch.ops.qspec_ext.decoder_layer_.default, tuple(cloned(args).values()))
+    if device == "cpu":
+        packed = layer_args(device, torch.bfloat16, packed=True)
+        torch.library.opcheck(torch.ops.qspec_ext.decoder_layer_.default, tuple(cloned(packed).values()))
+
+    def layer(a: dict) -> torch.Tensor:
+        ops.decoder_layer_(**a)
+        return a["hidden"] * 2
+
+    compiled_args, eager_args = cloned(args), cloned(args)
+    compiled = torch.compile(layer, fullgraph=True, dynamic=False)
+    assert_close(compiled(compiled_args), layer(eager_args))
+    assert_close(compiled_args["k_cache"], eager_args["k_cache"])
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(hidden=torch.randn(6, 48, 1)), "argument 'hidden' must be 2-D [tokens, hidden_size], got [6, 48, 1]"),
+    (dict(residual=torch.randn(6, 47)), "argument 'residual' must match hidden [6, 48]"),
+    (dict(positions=torch.tensor([[5, 6], [9, 10]])), "argument 'positions' must be [batch, tokens] with batch * tokens"
+                                                      " = hidden's 6 rows, got [2, 2]"),
+    (dict(o_weight=torch.randn(48, 63)), "argument 'o_weight' must be [48, 64] (or packed, 4-D), got [48, 63]"),
+    (dict(intermediate_size=0), "argument 'intermediate_size' must be positive, got 0"),
+])
+def test_bad_input_names_the_op_and_the_argument(change, message):
+    args = dict(layer_args("cpu", torch.float32), **change)
+    with pytest.raises(RuntimeError, match="decoder_layer_") as error:
+        ops.decoder_layer_(**args)
+    assert message in str(error.value)
