@@ -327,6 +327,13 @@ def test_llama_target_matches_transformers(tmp_path, tie, scaling):
         short = hf(tokens[1:, :30]).logits
     torch.testing.assert_close(logits[0], expected[0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(logits[1, :30], short[0], atol=1e-4, rtol=1e-4)
+    # the aux features: the stream entering each aux layer (HF's hidden_states below the last)
+    hidden, residual = target.capture.features()
+    with torch.no_grad():
+        states = hf(tokens[:1], output_hidden_states=True).hidden_states
+    for i, layer in enumerate(AUX):
+        stream = (hidden[i] + residual[i]).view(2, 40, -1)[0]
+        torch.testing.assert_close(stream, states[layer][0], atol=1e-4, rtol=1e-4)
     # greedy decoding: transformers' generate, plain and speculative decoding agree
     prompts = PROMPTS[:3]
     with torch.no_grad():
