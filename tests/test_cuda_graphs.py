@@ -10,6 +10,7 @@ or wrote with an eager call on the same values, exactly: same kernel, same input
 import pytest
 import torch
 from test_attention import attention_inputs
+from test_decoder_layer import layer_args
 from test_aux_gather import make_inputs as aux_inputs
 from test_norm_rope import RopeCase, make_rope_inputs
 from test_verify import sampling_case
@@ -88,6 +89,7 @@ CASES = [
     ("cached_attention", "B4-T4-Hq16-Hkv4-D128-L1024-bf16", lambda s: attention_args(s, tree=False)),
     ("cached_attention", "B4-T4-Hq16-Hkv4-D128-L1024-bf16-tree", lambda s: attention_args(s, tree=True)),
     ("silu_and_mul", "T7-I4096-bf16", silu_args),
+    ("decoder_layer_", "B2-T3-H48-bf16-tree", lambda s: list(layer_args("cuda", torch.bfloat16, tree=True, seed=s).values())),
     ("verify_greedy", "B8-K4-V32000", lambda s: verify_args(s, sampling=False)),
     ("verify_greedy_out", "B8-K4-V32000", lambda s: verify_args(s, sampling=False, out=True)),
     ("verify_sampling", "B8-K4-V32000-d2t", lambda s: verify_args(s, sampling=True)),
