@@ -201,7 +201,7 @@ def main():
                     mine = [r[key] for r in runs[engine, cores]]
                     rates = [r["tokens_per_second"] for r in mine]
                     row["engines"][engine] = dict(
-                        tokens_per_second=statistics.median(rates), spread=[min(rates), max(rates)],
+                        tokens_per_second=statistics.median(rates), spread=[min(rates), max(rates)], rounds=rates,
                         ratio=statistics.median(a["tokens_per_second"] / b["tokens_per_second"]
                                                 for a, b in zip(mine, theirs)),
                         same_tokens=mine[0]["tokens"] == theirs[0]["tokens"], acceptance=mine[0]["acceptance"])
