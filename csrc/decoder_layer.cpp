@@ -1,9 +1,8 @@
 // decoder_layer_: one pre-norm decoder layer of a Llama / Qwen3 target, in place, composed of the
 // other ops: the fused residual add and RMSNorm, the QKV projection, qk_norm_rope_ (writing the
 // layer's K/V cache), cached_attention, the output projection, the second fused add and norm, the
-// gated MLP (silu_and_mul). One call per layer instead of a dozen from Python: a decode step's
-// arithmetic is a few ms, and at 30 layers the Python between the ops cost 1.5-2 ms of it
-// (benchmarks/HISTORY.md). Device-generic: the pieces go through the dispatcher (CPU or CUDA
+// gated MLP (silu_and_mul). One call per layer instead of a dozen from Python: at 30 layers the
+// Python between the ops cost about 2 ms of a 13 ms decode step (benchmarks/HISTORY.md). Device-generic: the pieces go through the dispatcher (CPU or CUDA
 // kernels), a projection through packed_linear when its weight is packed (4-D, CPU), else
 // at::linear.
 #include <cmath>

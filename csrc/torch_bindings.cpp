@@ -65,8 +65,9 @@ TORCH_LIBRARY(qspec_ext, m) {
   // The gated MLP's activation: input [..., 2I] = (gate, up) -> silu(gate) * up [..., I], in fp32.
   m.def("silu_and_mul(Tensor input) -> Tensor");
 
-  // input [M, K] @ W^T for W [N, K] packed in panels of 16 output columns, [ceil(N / 16), K, 16], zero past
-  // N (CPU: the projections' inference path). Returns [M, out_features = N].
+  // input [M, K] @ W^T for W [N, K] packed in panels of 16 output columns with 4-byte lanes of G = 4 /
+  // element size inputs, [ceil(N / 16), ceil(K / G), 16, G], zero past N and K (CPU: the projections'
+  // inference path). Returns [M, out_features = N].
   m.def("packed_linear(Tensor input, Tensor packed_weight, int out_features) -> Tensor");
 
   // One pre-norm decoder layer (Llama / Qwen3) in place, composed of the ops above: residual += hidden,
