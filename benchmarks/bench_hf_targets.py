@@ -78,6 +78,11 @@ class OracleDrafter:
     def prefill(self, *args, **kwargs):
         self.inner.prefill(*args, **kwargs)
 
+    def keep_requests(self, rows, lengths):
+        self.inner.keep_requests(rows, lengths)
+        self.continuations = [self.continuations[i] for i in rows]
+        self.lengths = [self.lengths[i] for i in rows]
+
     def draft(self, k, parallel=None):
         newest = self.inner.state.next_position.tolist()
         rows = [(self.continuations[b] + [0] * 2 * k)[max(s + 1 - self.lengths[b], 0):][:k] for b, s in enumerate(newest)]

@@ -2,6 +2,11 @@
 windows, draft trees, padding, dtypes, key splits), that they read only the slots a query sees,
 opcheck, compile, and bad input."""
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 from conftest import assert_close
@@ -56,7 +61,7 @@ def check_against_reference(inputs, window=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads_q,heads_kv,head_dim", [(4, 4, 64), (9, 3, 64), (16, 2, 128), (2, 1, 40), (3, 1, 36),
                                                       (2, 2, 6)])
-@pytest.mark.parametrize("tokens", [1, 4, 13])
+@pytest.mark.parametrize("tokens", [1, 4, 13, 40])
 def test_chains_match_the_reference(device, dtype, heads_q, heads_kv, head_dim, tokens):
     inputs = attention_inputs(3, tokens, heads_q, heads_kv, head_dim, 200, dtype, device)
     check_against_reference(inputs)
@@ -80,6 +85,7 @@ def test_long_contexts_split_over_keys_and_match_the_reference(device):
     for contexts in ([3001], [129], [4096]):
         check_against_reference(attention_inputs(1, 2, 4, 1, 64, 4096, torch.float32, device, contexts=contexts))
     check_against_reference(attention_inputs(2, 1, 8, 8, 128, 8192, torch.bfloat16, device, contexts=[8000, 17]))
+    check_against_reference(attention_inputs(1, 4, 8, 2, 64, 4096, torch.bfloat16, device, contexts=[3001]))
 
 
 def test_padding_queries_and_queries_that_see_nothing_give_zeros(device):
@@ -96,12 +102,13 @@ def test_padding_queries_and_queries_that_see_nothing_give_zeros(device):
     assert (check_against_reference(tree)[0, 0] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", ["chain", "window", "tree"])
-def test_only_the_slots_a_query_sees_are_read(device, case):
+def test_only_the_slots_a_query_sees_are_read(device, case, dtype):
     """Every slot no query sees holds NaN (K and V): a kernel that read one, even to mask it, would
     return NaN; the result equals the reference on the clean cache."""
     window = 7 if case == "window" else 0
-    inputs = attention_inputs(3, 4, 8, 2, 64, 256, torch.float32, device, scratch=6 if case == "tree" else None)
+    inputs = attention_inputs(3, 4, 8, 2, 64, 256, dtype, device, scratch=6 if case == "tree" else None)
     expected = reference.cached_attention(**inputs, window=window)
     seen = torch.zeros(3, 256, dtype=torch.bool)
     for b in range(3):
@@ -122,7 +129,30 @@ def test_only_the_slots_a_query_sees_are_read(device, case):
         cache[unseen] = float("nan")
     got = ops.cached_attention(**inputs, window=window)
     assert not got.isnan().any()
-    assert_close(got, expected)
+    torch.testing.assert_close(got, expected, **ATTENTION_TOLERANCES[dtype])
+
+
+def test_both_bf16_cpu_kernels_match_the_reference():
+    """On a CPU with AVX512-BF16, bf16 calls with at least 8 queries per KV head take the
+    query-lane kernel (vdpbf16ps); a child process with QSPEC_CPU_BF16_DOT=0 checks the other
+    kernel on the same calls, on any CPU."""
+    script = textwrap.dedent("""
+        import sys, torch
+        sys.path.insert(0, %r)
+        from test_attention import ATTENTION_TOLERANCES, attention_inputs
+        from qspec_ext import ops, reference
+        for tokens, heads_q, heads_kv, head_dim, scratch in [(4, 9, 3, 64, None), (40, 9, 3, 64, None),
+                                                             (5, 8, 2, 64, 6), (4, 4, 2, 38, None)]:
+            inputs = attention_inputs(3, tokens, heads_q, heads_kv, head_dim, 300, torch.bfloat16, "cpu",
+                                      scratch=scratch)
+            torch.testing.assert_close(ops.cached_attention(**inputs), reference.cached_attention(**inputs),
+                                       **ATTENTION_TOLERANCES[torch.bfloat16])
+        print("ok")
+    """ % os.path.dirname(__file__))
+    for setting in ("0", "1"):
+        env = {**os.environ, "QSPEC_CPU_BF16_DOT": setting}
+        run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0 and run.stdout.split()[-1] == "ok", run.stderr
 
 
 def test_integer_positions_and_expanded_index_tensors(device):

@@ -265,6 +265,243 @@ void merge_splits(const AttentionParams<T>& p, int64_t b, int64_t h, int64_t spl
   }
 }
 
+
+#if QSPEC_BF16_DOT
+// bf16 on AVX512-BF16: query-lane tiles. A KV head's queries (state rows h * queries + i) are taken
+// 16 at a time, one per lane of a 512-bit register, so that every step is a vertical operation on
+// 16 queries: the scores of a key are 16 lanes of vdpbf16ps over the head_dim pairs (the key's
+// pair broadcast, the queries' pairs transposed once per item), the online softmax runs per lane
+// (no horizontal sums), and the values are weighted with vdpbf16ps too: the softmax numerators of
+// two keys as a bf16 pair per lane, the two keys' values interleaved into pairs (FlashAttention's
+// bf16 P; the running sum stays in fp32). Used when a head has enough queries to fill the lanes
+// (a verify step's T x G, a prefill); a decode step's few queries take the kernel above.
+constexpr int64_t kLanes = 16;
+constexpr int64_t kMinLaneQueries = 8;
+
+QSPEC_TARGET_BF16_DOT QSPEC_INLINE __m512 exp16(__m512 x) {
+  // vec_exp's steps on 16 lanes: 0 below -87 (and for -inf), saturating at 88.3.
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LT_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  __m512 poly = _mm512_set1_ps(1.9875691500e-4f);
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.3981999507e-3f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(8.3334519073e-3f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(4.1665795894e-2f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.6666665459e-1f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 er = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(poly, r), r, r), _mm512_set1_ps(1.f));
+  const __m512i two_n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~underflow), er, _mm512_castsi512_ps(two_n));
+}
+
+QSPEC_TARGET_BF16_DOT QSPEC_INLINE __m512bh broadcast_pair(const uint16_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return (__m512bh)_mm512_set1_epi32(static_cast<int>(v));
+}
+
+// scores[j] (16 lanes) = the lanes' queries . key j, for the block's keys [j0, j0 + R); key rows
+// past n - 1 read key n - 1 (masked later). qt: the tile's query pairs, [pairs][16].
+template <int R>
+QSPEC_TARGET_BF16_DOT QSPEC_INLINE void score_lanes(const uint32_t* __restrict__ qt, const uint16_t* __restrict__ keys,
+                                                    int64_t stride, int64_t j0, int64_t n, int64_t pairs,
+                                                    __m512* __restrict__ scores) {
+  const uint16_t* rows[R];
+  for (int k = 0; k < R; ++k) rows[k] = keys + std::min<int64_t>(j0 + k, n - 1) * stride;
+  __m512 acc[R];
+  for (int k = 0; k < R; ++k) acc[k] = _mm512_setzero_ps();
+  for (int64_t pp = 0; pp < pairs; ++pp) {
+    const __m512bh q = (__m512bh)_mm512_loadu_si512(qt + pp * kLanes);
+    for (int k = 0; k < R; ++k) acc[k] = _mm512_dpbf16_ps(acc[k], broadcast_pair(rows[k] + 2 * pp), q);
+  }
+  for (int k = 0; k < R; ++k) scores[j0 + k] = acc[k];
+}
+
+// acc[d] (16 lanes, d in [d0, d0 + C)) += sum over key pairs of the lanes' weight pairs . the
+// pairs' interleaved values: [key pairs][D] 4-byte pairs.
+template <int C>
+QSPEC_TARGET_BF16_DOT QSPEC_INLINE void weigh_values(const uint32_t* __restrict__ weight_pairs,
+                                                     const uint16_t* __restrict__ value_pairs, int64_t key_pairs,
+                                                     int64_t D, int64_t d0, float* __restrict__ acc) {
+  __m512 a[C];
+  for (int c = 0; c < C; ++c) a[c] = _mm512_loadu_ps(acc + (d0 + c) * kLanes);
+  for (int64_t jp = 0; jp < key_pairs; ++jp) {
+    const __m512bh w = (__m512bh)_mm512_loadu_si512(weight_pairs + jp * kLanes);
+    const uint16_t* v = value_pairs + (jp * D + d0) * 2;
+    for (int c = 0; c < C; ++c) a[c] = _mm512_dpbf16_ps(a[c], broadcast_pair(v + 2 * c), w);
+  }
+  for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + (d0 + c) * kLanes, a[c]);
+}
+
+// The values of keys 2jp and 2jp + 1 interleaved into pairs, [key pairs][D][2]; a key no query
+// sees (or past n) is zeros (its slot may hold anything, and 0 * NaN is NaN).
+QSPEC_TARGET_BF16_DOT QSPEC_INLINE void pair_values(const uint16_t* __restrict__ values, int64_t stride, int64_t n,
+                                                    int64_t D, const bool* __restrict__ seen_by_any,
+                                                    uint16_t* __restrict__ out) {
+  // Lanes 2i and 2i + 1 of the result: element i of the first operand and of the second.
+  alignas(64) static constexpr uint16_t kInterleave[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                           8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i interleave = _mm512_load_si512(kInterleave);
+  for (int64_t j = 0; j < n; j += 2) {
+    const uint16_t* even = seen_by_any[j] ? values + j * stride : nullptr;
+    const uint16_t* odd = j + 1 < n && seen_by_any[j + 1] ? values + (j + 1) * stride : nullptr;
+    uint16_t* dst = out + j * D;  // pair j / 2: D pairs of 2
+    for (int64_t d = 0; d < D; d += 16) {  // 16 dims of each key, 32 values out
+      const int64_t left = std::min<int64_t>(16, D - d);
+      const __mmask32 in = (__mmask32{1} << left) - 1, out_lanes = left == 16 ? ~__mmask32{0} : (__mmask32{1} << 2 * left) - 1;
+      const __m512i a = even ? _mm512_maskz_loadu_epi16(in, even + d) : _mm512_setzero_si512();
+      const __m512i b = odd ? _mm512_maskz_loadu_epi16(in, odd + d) : _mm512_setzero_si512();
+      _mm512_mask_storeu_epi16(dst + 2 * d, out_lanes, _mm512_permutex2var_epi16(a, interleave, b));
+    }
+  }
+}
+
+// attend_keys for bf16 with query-lane tiles: keys [begin, end) of request b, the same state rows.
+QSPEC_TARGET_BF16_DOT void attend_keys_lanes(const AttentionParams<c10::BFloat16>& p, int64_t b, int64_t begin,
+                                             int64_t end, float* state) {
+  const int64_t D = p.head_dim, G = p.heads_q / p.heads_kv, queries = p.tokens * G, width = D + 2;
+  const int64_t pairs = D / 2, slot_stride = p.heads_kv * D, tiles = (queries + kLanes - 1) / kLanes;
+  reset_states(state, p.heads_q * p.tokens, width);
+  if (begin >= end) return;
+  // Each lane's keys in [begin, end) (the same for every head); a lane past the queries sees none.
+  std::vector<int32_t> lane_lo(tiles * kLanes, 0), lane_hi(tiles * kLanes, 0), lane_token(tiles * kLanes, 0);
+  std::vector<KeyRange> tile_keys(tiles, KeyRange{end, begin});
+  for (int64_t i = 0; i < queries; ++i) {
+    const int64_t t = i / G;
+    const KeyRange r = key_range(p, b, t);
+    const int64_t lo = std::max(r.lo, begin), hi = std::min(r.hi, end);
+    lane_token[i] = static_cast<int32_t>(t);
+    if (hi <= lo) continue;
+    lane_lo[i] = static_cast<int32_t>(lo), lane_hi[i] = static_cast<int32_t>(hi);
+    KeyRange& u = tile_keys[i / kLanes];
+    u = {std::min(u.lo, lo), std::max(u.hi, hi)};
+  }
+  const bool tree = p.tree_start != nullptr;
+  const int64_t scratch_begin = tree ? p.tree_start[b] : p.max_length;
+  std::vector<uint32_t> qt(tiles * pairs * kLanes);
+  std::vector<float> acc(tiles * D * kLanes), m(tiles * kLanes), l(tiles * kLanes);
+  std::vector<uint16_t> value_pairs(kKeyBlock * D);
+  std::vector<uint32_t> weight_pairs(kKeyBlock / 2 * kLanes);
+  std::vector<__mmask16> sees(tiles * kKeyBlock);
+  const auto* k_cache = reinterpret_cast<const uint16_t*>(p.k_cache);
+  const auto* v_cache = reinterpret_cast<const uint16_t*>(p.v_cache);
+  const auto* query = reinterpret_cast<const uint16_t*>(p.query);
+  const int64_t first_slot = b * p.max_length;
+  __m512 scores[kKeyBlock];
+  for (int64_t h = 0; h < p.heads_kv; ++h) {
+    // The tiles' query pairs, transposed: qt[tile][pair][lane]; lanes past the queries zeros.
+    std::fill(qt.begin(), qt.end(), 0u);
+    for (int64_t i = 0; i < queries; ++i) {
+      const int64_t t = i / G, g = i % G;
+      const uint16_t* q = query + b * p.q_stride_b + t * p.q_stride_t + (h * G + g) * p.q_stride_h;
+      uint32_t* dst = qt.data() + (i / kLanes) * pairs * kLanes + i % kLanes;
+      for (int64_t pp = 0; pp < pairs; ++pp) std::memcpy(dst + pp * kLanes, q + 2 * pp, 4);
+    }
+    std::fill(m.begin(), m.end(), kNegInf);
+    std::fill(l.begin(), l.end(), 0.f);
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t block = begin; block < end; block += kKeyBlock) {
+      const int64_t n = std::min(kKeyBlock, end - block);
+      // sees[tile][j]: the lanes that see key block + j.
+      bool seen_by_any[kKeyBlock] = {};
+      for (int64_t tile = 0; tile < tiles; ++tile) {
+        if (tile_keys[tile].hi <= block || tile_keys[tile].lo >= block + n) continue;
+        const __m512i lo = _mm512_loadu_si512(lane_lo.data() + tile * kLanes);
+        const __m512i hi = _mm512_loadu_si512(lane_hi.data() + tile * kLanes);
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t key = block + j;
+          const __m512i k = _mm512_set1_epi32(static_cast<int>(key));
+          __mmask16 bits = _mm512_cmple_epi32_mask(lo, k) & _mm512_cmplt_epi32_mask(k, hi);
+          if (tree && key >= scratch_begin)
+            for (int64_t lane = 0; lane < kLanes; ++lane)
+              if ((bits >> lane) & 1 && !key_seen(p, b, lane_token[tile * kLanes + lane], key))
+                bits &= static_cast<__mmask16>(~(1u << lane));
+          sees[tile * kKeyBlock + j] = bits;
+          seen_by_any[j] |= bits != 0;
+        }
+      }
+      pair_values(v_cache + (first_slot + block) * slot_stride + h * D, slot_stride, n, D, seen_by_any,
+                  value_pairs.data());
+      const uint16_t* keys = k_cache + (first_slot + block) * slot_stride + h * D;
+      const int64_t key_pairs = (n + 1) / 2;
+      for (int64_t tile = 0; tile < tiles; ++tile) {
+        if (tile_keys[tile].hi <= block || tile_keys[tile].lo >= block + n) continue;
+        const __mmask16* tile_sees = sees.data() + tile * kKeyBlock;
+        const uint32_t* tile_qt = qt.data() + tile * pairs * kLanes;
+        int64_t j0 = 0;
+        for (; j0 + 8 <= n; j0 += 8) score_lanes<8>(tile_qt, keys, slot_stride, j0, n, pairs, scores);
+        for (; j0 < n; j0 += 4) score_lanes<4>(tile_qt, keys, slot_stride, j0, n, pairs, scores);
+        // Online softmax per lane: unseen keys' scores -inf, then the block max, the correction.
+        const __m512 scale = _mm512_set1_ps(p.scale), neg_inf = _mm512_set1_ps(kNegInf);
+        __m512 top = neg_inf;
+        for (int64_t j = 0; j < n; ++j) {
+          scores[j] = _mm512_mask_mul_ps(neg_inf, tile_sees[j], scores[j], scale);
+          top = _mm512_max_ps(top, scores[j]);
+        }
+        float* tile_m = m.data() + tile * kLanes;
+        float* tile_l = l.data() + tile * kLanes;
+        float* tile_acc = acc.data() + tile * D * kLanes;
+        const __m512 old_max = _mm512_loadu_ps(tile_m), new_max = _mm512_max_ps(old_max, top);
+        const __mmask16 live = _mm512_cmp_ps_mask(new_max, neg_inf, _CMP_NEQ_OQ);  // lanes that saw a key
+        const __m512 correction = _mm512_mask_blend_ps(live, _mm512_set1_ps(1.f), exp16(_mm512_sub_ps(old_max, new_max)));
+        const __mmask16 moved = _mm512_cmp_ps_mask(correction, _mm512_set1_ps(1.f), _CMP_NEQ_OQ);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < key_pairs * 2; j += 2) {
+          const __m512 even = _mm512_maskz_mov_ps(tile_sees[j], exp16(_mm512_sub_ps(scores[j], new_max)));
+          const __m512 odd = j + 1 < n ? _mm512_maskz_mov_ps(tile_sees[j + 1], exp16(_mm512_sub_ps(scores[j + 1], new_max)))
+                                       : _mm512_setzero_ps();
+          sum = _mm512_add_ps(sum, _mm512_add_ps(even, odd));
+          const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(even));
+          const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(odd));
+          _mm512_storeu_si512(weight_pairs.data() + j / 2 * kLanes, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+        _mm512_storeu_ps(tile_l, _mm512_fmadd_ps(_mm512_loadu_ps(tile_l), correction, sum));
+        _mm512_storeu_ps(tile_m, new_max);
+        if (moved)
+          for (int64_t d = 0; d < D; ++d)
+            _mm512_storeu_ps(tile_acc + d * kLanes, _mm512_mul_ps(_mm512_loadu_ps(tile_acc + d * kLanes), correction));
+        int64_t d0 = 0;
+        for (; d0 + 16 <= D; d0 += 16) weigh_values<16>(weight_pairs.data(), value_pairs.data(), key_pairs, D, d0, tile_acc);
+        for (; d0 + 4 <= D; d0 += 4) weigh_values<4>(weight_pairs.data(), value_pairs.data(), key_pairs, D, d0, tile_acc);
+        for (; d0 < D; d0 += 2) weigh_values<2>(weight_pairs.data(), value_pairs.data(), key_pairs, D, d0, tile_acc);
+      }
+    }
+    // The lanes' states into the state rows.
+    for (int64_t i = 0; i < queries; ++i) {
+      float* row = state + (h * queries + i) * width;
+      const int64_t tile = i / kLanes, lane = i % kLanes;
+      row[0] = m[tile * kLanes + lane];
+      row[1] = l[tile * kLanes + lane];
+      for (int64_t d = 0; d < D; ++d) row[2 + d] = acc[(tile * D + d) * kLanes + lane];
+    }
+  }
+}
+#endif
+
+// Keys [begin, end) of request b into its item's state rows, by the kernel that suits the call.
+template <typename T>
+void attend_item(const AttentionParams<T>& p, bool lanes, int64_t b, int64_t begin, int64_t end, float* state) {
+#if QSPEC_BF16_DOT
+  if constexpr (std::is_same_v<T, c10::BFloat16>)
+    if (lanes) return attend_keys_lanes(p, b, begin, end, state);
+#endif
+  attend_keys(p, b, begin, end, state);
+}
+
+// Whether a call takes the query-lane tiles: bf16 on AVX512-BF16, an even head_dim, and enough
+// queries per KV head to fill the lanes.
+template <typename T>
+bool use_lanes(const AttentionShape& s) {
+#if QSPEC_BF16_DOT
+  return std::is_same_v<T, c10::BFloat16> && cpu_bf16_dot() && s.head_dim % 2 == 0 &&
+         s.tokens * (s.heads_q / s.heads_kv) >= kMinLaneQueries;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 void cached_attention_cpu(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -308,6 +545,7 @@ void cached_attention_cpu(const at::Tensor& query, const at::Tensor& k_cache, co
     const int64_t queries = s.tokens * (s.heads_q / s.heads_kv), width = s.head_dim + 2;
     const int64_t item_states = s.heads_kv * queries * width;
     std::vector<float> states(s.batch * splits * item_states);
+    const bool lanes = use_lanes<scalar_t>(s);
     // Items per task: small calls (a short context) stay on one thread, where waking the others
     // would cost more than the work.
     const int64_t item_work = std::max<int64_t>(1, (longest + splits - 1) / splits * s.heads_q * s.tokens * s.head_dim);
@@ -317,7 +555,7 @@ void cached_attention_cpu(const at::Tensor& query, const at::Tensor& k_cache, co
         const KeyRange u = span[b];
         const int64_t chunk = std::max<int64_t>(0, (u.hi - u.lo + splits - 1) / splits);
         const int64_t begin = u.lo + split * chunk, end = std::min(u.hi, begin + chunk);
-        attend_keys(p, b, begin, end, states.data() + item * item_states);
+        attend_item(p, lanes, b, begin, end, states.data() + item * item_states);
         if (splits == 1)  // the item's states are final: no merge pass
           for (int64_t h = 0; h < s.heads_kv; ++h)
             merge_splits(p, b, h, 1, states.data() + item * item_states + h * queries * width, item_states);

@@ -25,6 +25,22 @@
 #endif
 #define QSPEC_INLINE inline __attribute__((always_inline))
 
+// AVX512-BF16 kernels (vdpbf16ps): GCC on x86-64, as the target clones; a target attribute, and
+// cpu_bf16_dot() picks them at run time.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#include <immintrin.h>
+#define QSPEC_BF16_DOT 1
+#define QSPEC_TARGET_BF16_DOT __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#else
+#define QSPEC_BF16_DOT 0
+#endif
+
+namespace qspec_ext {
+// Whether this CPU has AVX512-BF16 (and AVX512-BW) and QSPEC_CPU_BF16_DOT is not 0 (set to 0 to run
+// and test the other kernels on it); csrc/cpu/packed_linear.cpp.
+bool cpu_bf16_dot();
+}  // namespace qspec_ext
+
 namespace qspec_ext::cpu {
 
 // 8 fp32 lanes as one GCC vector: one AVX2 / AVX-512VL register, two SSE ones. (A 16-lane vector is

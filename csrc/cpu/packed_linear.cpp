@@ -25,15 +25,6 @@
 #include "checks.h"
 #include "cpu_common.h"
 
-// GCC on x86-64, as the target clones (cpu_common.h): a target attribute and __builtin_cpu_supports.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#include <immintrin.h>
-#define QSPEC_BF16_DOT 1
-#define QSPEC_TARGET_BF16_DOT __attribute__((target("avx512f,avx512bf16")))
-#else
-#define QSPEC_BF16_DOT 0
-#endif
-
 namespace qspec_ext {
 
 namespace {
@@ -227,7 +218,7 @@ bool detect_bf16_dot() {
   const char* setting = std::getenv("QSPEC_CPU_BF16_DOT");
   if (setting != nullptr && std::string_view(setting) == "0") return false;
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512bf16");
+  return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
 #else
   return false;
 #endif

@@ -111,6 +111,13 @@ class _Sampler:
         self.top_p = None if top_p is None else torch.full((batch,), top_p, device=device)
         self.generators = [torch.Generator(device=device).manual_seed(seed * 1_000_003 + b) for b in range(batch)]
 
+    def keep(self, rows: list[int]) -> None:
+        """Follows the batch to its rows ``rows`` (see :func:`_kept_rows`)."""
+        index = torch.tensor(rows, device=self.generators[0].device)
+        self.top_k = None if self.top_k is None else self.top_k[index]
+        self.top_p = None if self.top_p is None else self.top_p[index]
+        self.generators = [self.generators[i] for i in rows]
+
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """logits / temperature, filtered; verify_sampling then runs at temperature 1."""
         return apply_top_k_top_p(logits.float() / self.temperature, self.top_k, self.top_p)
@@ -184,6 +191,23 @@ def _finish(generated: list[int], new: list[int], max_new_tokens: int, stop: int
     return stop < len(new) or len(generated) >= max_new_tokens
 
 
+def _kept_rows(live: list[int], done: list[bool], compiled: bool) -> list[int] | None:
+    """When requests have finished: the batch rows to keep (the models' ``keep_requests``), so that
+    a step computes only the requests still running (as a server's batch drops finished ones).
+    ``live[i]``: the request in row i. The running rows below the new size stay where they are,
+    the others fill the gaps of the finished ones (rows[i] >= i); compiled, the size is a power of
+    two (finished rows left in place as padding), so that few graphs are built. None: no change."""
+    running = [i for i, r in enumerate(live) if not done[r]]
+    size = min(len(live), 1 << max(len(running) - 1, 0).bit_length()) if compiled else len(running)
+    if not running or size >= len(live):
+        return None
+    rows = list(range(size))
+    holes = [i for i in rows if done[live[i]]]
+    for hole, row in zip(holes, [i for i in running if i >= size]):
+        rows[hole] = row
+    return rows
+
+
 def _read_tokens(rows: torch.Tensor, stops: _StopIds, skip: int = 0) -> tuple[list[list[int]], list[int]]:
     """rows ``[B, W]`` and the first stop column of each row's ``rows[:, skip:]`` (the columns
     before are counts, not tokens), in one device-to-host transfer."""
@@ -227,14 +251,22 @@ def _generate_plain(target, prompts, max_new_tokens, temperature, top_k, top_p, 
     done = [_finish(g, n, max_new_tokens, s, on_tokens, b) for b, (g, n, s) in enumerate(zip(generated, new, stop))]
     first_token_time = time.perf_counter() - start
     position = torch.tensor([len(p) for p in prompts], device=device)
+    live = list(range(batch))  # the request in each row of the batch
     while not all(done):
-        step_pos = torch.where(torch.tensor(done, device=device), -1, position)[:, None]
+        rows = _kept_rows(live, done, compile)
+        if rows is not None:
+            target.keep_requests(rows, [len(prompts[live[i]]) + len(generated[live[i]]) for i in rows])
+            index = torch.tensor(rows, device=device)
+            next_token, position = next_token[index], position[index]
+            sampler.keep(rows)
+            live = [live[i] for i in rows]
+        step_pos = torch.where(torch.tensor([done[r] for r in live], device=device), -1, position)[:, None]
         logits = forward(next_token[:, None], step_pos)[:, 0]
         next_token = sampler.pick(logits)
         new, stop = _read_tokens(next_token[:, None], stops)
-        for b in range(batch):
-            if not done[b]:
-                done[b] = _finish(generated[b], new[b], max_new_tokens, stop[b], on_tokens, b)
+        for i, r in enumerate(live):
+            if not done[r]:
+                done[r] = _finish(generated[r], new[i], max_new_tokens, stop[i], on_tokens, r)
         position = position + 1
     stats = SpecDecodeStats(num_generated_tokens=sum(map(len, generated)), num_requests=batch,
                             wall_time=time.perf_counter() - start, first_token_time=first_token_time)
@@ -319,29 +351,40 @@ class SpeculativeDecoder:
                              last_only=True)
 
         last, position = first, lengths  # the newest token and its position (not yet in the target's cache)
-        position_host = [len(p) for p in prompts]
+        position_host = [len(p) for p in prompts]  # per request
         seeds = None if temperature == 0.0 else torch.tensor([seed * 1_000_003 + b for b in range(batch)], device=device)
+        live = list(range(batch))  # the request in each row of the batch
         while not all(done):
-            active = ~torch.tensor(done, device=device)
+            rows = _kept_rows(live, done, self.compiled)
+            if rows is not None:
+                kept = [min(position_host[live[i]] + margin, cache_length) for i in rows]
+                target.keep_requests(rows, kept)
+                drafter.keep_requests(rows, kept)
+                index = torch.tensor(rows, device=device)
+                last, position = last[index], position[index]
+                seeds = None if seeds is None else seeds[index]
+                sampler.keep(rows)
+                live = [live[i] for i in rows]
+            active = ~torch.tensor([done[r] for r in live], device=device)
             # The drafter writes no position past this bound; a compiled step takes no host ints
             # (each value would be a new graph) and checks nothing: the cache has room for every step.
-            top = None if self.compiled else max(position_host[b] for b in range(batch) if not done[b]) + drafting.max_depth
+            top = None if self.compiled else max(position_host[r] for r in live if not done[r]) + drafting.max_depth
             out, accepted, last, position = self.step(last, position, active, seeds, sampler, top)
             # The one sync per step (stopping needs it): tokens, accepted counts and stop columns.
             out_host, stop = _read_tokens(torch.cat([accepted[:, None], out], dim=1), stops, skip=1)
             accepted_host = [row.pop(0) for row in out_host]
-            position_host = [p + a + 1 for p, a in zip(position_host, accepted_host)]
 
-            for b in range(batch):
-                if done[b]:
+            for i, r in enumerate(live):
+                if done[r]:
                     continue
-                n = accepted_host[b]
+                n = accepted_host[i]
+                position_host[r] += n + 1
                 stats.num_drafts += 1
                 stats.num_draft_tokens += drafting.num_draft_tokens
                 stats.num_accepted_tokens += n
-                for i in range(n):
-                    stats.accepted_per_position[i] += 1
-                done[b] = _finish(generated[b], out_host[b][: n + 1], max_new_tokens, stop[b], on_tokens, b)
+                for j in range(n):
+                    stats.accepted_per_position[j] += 1
+                done[r] = _finish(generated[r], out_host[i][: n + 1], max_new_tokens, stop[i], on_tokens, r)
         stats.num_generated_tokens = sum(map(len, generated))
         stats.wall_time = time.perf_counter() - start
         return GenerateResult(generated, stats)

@@ -26,7 +26,8 @@ from .. import ops, reference
 from ..arguments import check_load
 from ..rope import rope_config, rope_parameters
 from .checkpoint import CheckpointError, check_tensors, load_tensors, read_config, resolve_checkpoint, save_tensors
-from .layers import MLP, Attention, CachedPositions, RMSNormWeight, TreeAttention, static_caches, static_cos_sin
+from .layers import (MLP, Attention, CachedPositions, RMSNormWeight, TreeAttention, keep_requests, static_caches,
+                     static_cos_sin)
 from .linear import Linear, pack_linears
 
 logger = logging.getLogger(__name__)
@@ -292,7 +293,8 @@ class Eagle3Drafter(nn.Module):
             self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
         else:
             self.d2t = self.t2d = None
-        self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # the live requests' slots of allocated
+        self.allocated: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.max_length = 0
         self.cos_sin: torch.Tensor | None = None
         self.state: DraftState | None = None
@@ -314,10 +316,20 @@ class Eagle3Drafter(nn.Module):
         p = self.fc.weight
         self.max_length, self.batch_size = max_length, batch_size
         shape = (batch_size * max_length, c.num_key_value_heads, c.head_dim)
-        self.caches = static_caches(self.caches, len(self.layers), shape, p)
+        self.caches = self.allocated = static_caches(self.allocated, len(self.layers), shape, p)
         pack_linears(self)
         self.cos_sin = static_cos_sin(self.cos_sin, max_length, c, p.device)
         self.state = None
+
+    @torch.no_grad()
+    def keep_requests(self, rows: list[int], lengths: list[int]) -> None:
+        """The batch becomes requests ``rows`` (``rows[i] >= i``, distinct), request ``rows[i]`` now
+        request i with its first ``lengths[i]`` cache positions and its draft state."""
+        self.caches = keep_requests(self.caches, rows, lengths, self.max_length)
+        self.batch_size = len(rows)
+        if self.state is not None:
+            index = torch.tensor(rows, device=self.state.next_position.device)
+            self.state = DraftState(*(getattr(self.state, f.name)[index] for f in dataclasses.fields(self.state)))
 
     # ------------------------------------------------------------------ forward
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:

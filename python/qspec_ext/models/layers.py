@@ -33,6 +33,24 @@ def static_caches(existing: list[tuple[torch.Tensor, torch.Tensor]], layers: int
     return caches
 
 
+def keep_requests(caches: list[tuple[torch.Tensor, torch.Tensor]], rows: list[int], lengths: list[int],
+                  max_length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-request caches ``[B * max_length, ...]`` narrowed to the requests ``rows``: request
+    ``rows[i]``'s first ``lengths[i]`` slots are copied to request i's (``rows[i] >= i``, distinct:
+    each copy reads a request no earlier copy wrote), and the caches returned are views of the
+    first ``len(rows)`` requests' slots (the same memory)."""
+    if any(r < i for i, r in enumerate(rows)) or len(set(rows)) != len(rows):
+        raise ValueError(f"keep_requests: rows must be distinct with rows[i] >= i, got {rows}")
+    for k_cache, v_cache in caches:
+        for i, (r, n) in enumerate(zip(rows, lengths)):
+            if r != i and n > 0:
+                k_cache[i * max_length : i * max_length + n] = k_cache[r * max_length : r * max_length + n]
+                v_cache[i * max_length : i * max_length + n] = v_cache[r * max_length : r * max_length + n]
+    kept = [(k[: len(rows) * max_length], v[: len(rows) * max_length]) for k, v in caches]
+    mark_static(kept)
+    return kept
+
+
 def static_cos_sin(existing: torch.Tensor | None, max_length: int, config, device) -> torch.Tensor:
     """The RoPE table ``[max_length, rot]`` (fp32) of a model's config: the existing one when it
     fits, so that graphs reading it (a static input, like the caches) see the same address."""

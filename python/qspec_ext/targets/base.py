@@ -45,6 +45,11 @@ class Target(Protocol):
         """Logits ``[B, T, V]`` of tokens ``[B, T]`` at positions ``[B, T]`` (-1 pads); a call
         whose positions start below what the cache holds rewinds it."""
 
+    def keep_requests(self, rows: list[int], lengths: list[int]) -> None:
+        """The batch becomes requests ``rows`` (``rows[i] >= i``, distinct: request ``rows[i]`` is
+        now request i, with its first ``lengths[i]`` cache positions); the decode loop drops
+        finished requests this way, and the next forward's batch is len(rows)."""
+
     def get_input_embeddings(self) -> torch.nn.Embedding: ...
 
     def get_output_embeddings(self) -> torch.nn.Module: ...  # the lm_head (a drafter's starting point)

@@ -432,6 +432,7 @@ class HFTarget(nn.Module):
         self.batch_size, self.max_length = batch_size, max_length
         device = self.model.get_input_embeddings().weight.device
         self._batch_rows = list(range(batch_size))
+        self._slots = list(range(batch_size))  # the request (of the setup's batch) in each row of a call
         if not self._can_batch:
             self.caches = [DynamicCache(config=self.model.config) for _ in range(batch_size)]
             for cache in self.caches:
@@ -461,8 +462,31 @@ class HFTarget(nn.Module):
             raise ValueError("HFTarget.forward: draft trees need tree attention, which HFTarget does not run "
                              "(use NativeTarget, or topk=1)")
         B, T = tokens.shape
-        if B != getattr(self, "batch_size", None):
+        if B != len(getattr(self, "_slots", ())):
             raise RuntimeError(f"HFTarget: call setup({B}, max_length) first")
+        if B != self.batch_size:  # requests were dropped (keep_requests): they run as padding rows
+            slots = torch.tensor(self._slots, device=tokens.device)
+            tokens = tokens.new_zeros(self.batch_size, T).index_copy_(0, slots, tokens)
+            positions = positions.new_full((self.batch_size, T), -1).index_copy_(0, slots, positions)
+        logits, features = self._forward_requests(tokens, positions)
+        if B != self.batch_size:
+            logits, positions = logits[slots], positions[slots]
+            features = [f.view(self.batch_size, T, -1)[slots].view(B * T, -1) for f in features]
+        self.capture.clear()
+        for layer_id, f in zip(self.aux_layer_ids, features):
+            self.capture.record(layer_id, f)
+        if last_only:
+            logits = logits[torch.arange(B, device=logits.device), positions.argmax(dim=1)]
+        return logits
+
+    def keep_requests(self, rows: list[int], lengths: list[int]) -> None:
+        """The batch becomes requests ``rows``; the dropped ones keep their caches and run as
+        padding rows (this target skips those: no work). ``lengths``: unused (no cache moves)."""
+        self._slots = [self._slots[r] for r in rows]
+
+    def _forward_requests(self, tokens, positions) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Logits ``[B, T, V]`` and aux features ``[B * T, H]`` of the setup's whole batch."""
+        B, T = tokens.shape
         dtype = self.model.get_input_embeddings().weight.dtype
         features = [tokens.new_zeros(B * T, self.hidden_size, dtype=dtype) for _ in self.aux_layer_ids]
         clock = _Clock(self, tokens.device).__enter__()
@@ -484,12 +508,7 @@ class HFTarget(nn.Module):
         clock.add("forward_seconds")
         if self.profile:
             self.stats.per_call.append(self.stats.forward_seconds - before)
-        self.capture.clear()
-        for layer_id, f in zip(self.aux_layer_ids, features):
-            self.capture.record(layer_id, f)
-        if last_only:
-            logits = logits[torch.arange(B, device=logits.device), positions.argmax(dim=1)]
-        return logits
+        return logits, features
 
     def _requests(self, tokens, positions) -> list[_Row | None]:
         rows: list[_Row | None] = []

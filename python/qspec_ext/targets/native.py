@@ -17,7 +17,7 @@ from ..shipped import cache_root
 from ..models.checkpoint import (CheckpointError, check_tensors, load_tensors, map_tensor, map_tensor_converted,
                                  read_config, resolve_checkpoint, trim_heap)
 from ..models.layers import (MLP, Attention, CachedPositions, RMSNormWeight, TreeAttention, join_checkpoint_parts,
-                             keep_path, static_caches, static_cos_sin)
+                             keep_path, keep_requests, static_caches, static_cos_sin)
 from ..models.linear import Linear, pack_linears
 from .base import Capabilities
 
@@ -128,7 +128,8 @@ class NativeTarget(nn.Module):
         ids = list(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(config.num_hidden_layers)
         self.aux_layer_ids = ids
         self.capture = AuxHiddenCapture(ids)
-        self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # the live requests' slots of allocated
+        self.allocated: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.cos_sin: torch.Tensor | None = None
         self.max_length = 0
 
@@ -206,7 +207,7 @@ class NativeTarget(nn.Module):
         c, w = self.config, self.model.embed_tokens.weight
         self.batch_size, self.max_length = batch_size, max_length
         shape = (batch_size * max_length, c.num_key_value_heads, c.head_dim)
-        self.caches = static_caches(self.caches, len(self.model.layers), shape, w)
+        self.caches = self.allocated = static_caches(self.allocated, len(self.model.layers), shape, w)
         pack_linears(self, release=True)
         self.cos_sin = static_cos_sin(self.cos_sin, max_length, c, w.device)
 
@@ -242,6 +243,13 @@ class NativeTarget(nn.Module):
         if last_only:
             z = z[torch.arange(B, device=z.device), positions.argmax(dim=1)]
         return self.lm_head(z)
+
+    @torch.no_grad()
+    def keep_requests(self, rows: list[int], lengths: list[int]) -> None:
+        """The batch becomes requests ``rows`` (``rows[i] >= i``, distinct), request ``rows[i]`` now
+        request i with its first ``lengths[i]`` cache positions; the next forward's batch is len(rows)."""
+        self.caches = keep_requests(self.caches, rows, lengths, self.max_length)
+        self.batch_size = len(rows)
 
     @torch.no_grad()
     def keep_path(self, tree: TreeAttention, path: torch.Tensor) -> None:
