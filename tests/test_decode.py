@@ -214,6 +214,51 @@ def test_eos_inside_an_accepted_run_stops_there(hf_dir):
     assert spec.tokens[0][-1] == eos and len(spec.tokens[0]) <= 7
 
 
+def test_kept_rows_fill_the_finished_rows_from_the_end():
+    from qspec_ext.decode import _kept_rows
+
+    live, done = [10, 11, 12, 13, 14, 15, 16, 17], [False] * 18
+    assert _kept_rows(live, done, compiled=False) is None  # nothing finished
+    for r in (11, 14, 16):
+        done[r] = True
+    assert _kept_rows(live, done, compiled=False) == [0, 5, 2, 3, 7]  # rows 5 and 7 fill rows 1 and 4
+    assert _kept_rows(live, done, compiled=True) is None  # 5 running: compiled batches are powers of two
+    done[12] = done[13] = True
+    assert _kept_rows(live, done, compiled=False) == [0, 5, 7]
+    assert _kept_rows(live, done, compiled=True) == [0, 5, 7, 3]  # a finished row stays as padding
+    assert _kept_rows(live, [True] * 18, compiled=False) is None
+
+
+@pytest.mark.parametrize("kind", ["native", "hf"])
+def test_finished_requests_leave_the_batch(hf_dir, kind):
+    """A request that stops (a stop id) leaves the batch: the next forwards run only the
+    running requests, each keeping its cache and draft state when it moves to another row, so
+    the tokens are the plain ones and a drafter that copies the target is still always right."""
+    def stopped_early(tokens):
+        """A stop id that ends request 0 early and some other request never; the tokens cut there."""
+        eos = next(t for t in tokens[0][2:6] if any(t not in other for other in tokens[1:]))
+        return eos, [full[: full.index(eos) + 1] if eos in full else full for full in tokens]
+
+    native = NativeTarget.from_pretrained(hf_dir, aux_layer_ids=AUX)
+    plain = generate_plain(native, PROMPTS, 24)
+    eos, expected = stopped_early(plain.tokens)
+    target = native if kind == "native" else HFTarget(transformers.Qwen3ForCausalLM.from_pretrained(hf_dir).eval(), AUX)
+    batches = []
+    forward = target.forward
+    target.forward = lambda tokens, *args, **kwargs: batches.append(tokens.shape[0]) or forward(tokens, *args, **kwargs)
+    assert generate_plain(target, PROMPTS, 24, eos_token_id=eos).tokens == expected
+    assert batches[0] == len(PROMPTS) and batches[-1] < len(PROMPTS) and batches == sorted(batches, reverse=True)
+    # Sampled: each request keeps its own random stream when it moves.
+    sampled_eos, sampled = stopped_early(generate_plain(native, PROMPTS, 24, temperature=1.0, seed=3).tokens)
+    assert generate_plain(target, PROMPTS, 24, temperature=1.0, seed=3, eos_token_id=sampled_eos).tokens == sampled
+    batches.clear()
+    oracle = OracleDrafter(make_drafter(), plain.tokens, [len(p) for p in PROMPTS])
+    spec = SpeculativeDecoder(target, oracle, 3).generate(PROMPTS, 20, eos_token_id=eos)
+    assert spec.tokens == [t[:20] if eos not in t[:20] else t for t in expected]
+    assert spec.stats.acceptance_rate_per_position == [1.0] * 3
+    assert batches[-1] < len(PROMPTS) and batches == sorted(batches, reverse=True)
+
+
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_stats_of_a_drafter_that_copies_the_target(hf_dir, k):
     target = NativeTarget.from_pretrained(hf_dir, aux_layer_ids=AUX)
