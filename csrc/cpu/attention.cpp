@@ -359,6 +359,7 @@ QSPEC_TARGET_BF16_DOT QSPEC_INLINE void pair_values(const uint16_t* __restrict__
 }
 
 // attend_keys for bf16 with query-lane tiles: keys [begin, end) of request b, the same state rows.
+// Key blocks outer, KV heads inner, as attend_keys: a block's slots are read whole (all heads).
 QSPEC_TARGET_BF16_DOT void attend_keys_lanes(const AttentionParams<c10::BFloat16>& p, int64_t b, int64_t begin,
                                              int64_t end, float* state) {
   const int64_t D = p.head_dim, G = p.heads_q / p.heads_kv, queries = p.tokens * G, width = D + 2;
@@ -380,59 +381,60 @@ QSPEC_TARGET_BF16_DOT void attend_keys_lanes(const AttentionParams<c10::BFloat16
   }
   const bool tree = p.tree_start != nullptr;
   const int64_t scratch_begin = tree ? p.tree_start[b] : p.max_length;
-  std::vector<uint32_t> qt(tiles * pairs * kLanes);
-  std::vector<float> acc(tiles * D * kLanes), m(tiles * kLanes), l(tiles * kLanes);
-  std::vector<uint16_t> value_pairs(kKeyBlock * D);
-  std::vector<uint32_t> weight_pairs(kKeyBlock / 2 * kLanes);
-  std::vector<__mmask16> sees(tiles * kKeyBlock);
   const auto* k_cache = reinterpret_cast<const uint16_t*>(p.k_cache);
   const auto* v_cache = reinterpret_cast<const uint16_t*>(p.v_cache);
   const auto* query = reinterpret_cast<const uint16_t*>(p.query);
-  const int64_t first_slot = b * p.max_length;
-  __m512 scores[kKeyBlock];
-  for (int64_t h = 0; h < p.heads_kv; ++h) {
-    // The tiles' query pairs, transposed: qt[tile][pair][lane]; lanes past the queries zeros.
-    std::fill(qt.begin(), qt.end(), 0u);
+  // Per (KV head, tile): the query pairs transposed, qt[.][pair][lane] (lanes past the queries
+  // zeros), and the online-softmax state: max m and sum l per lane, accumulator acc[.][d][lane].
+  const int64_t units = p.heads_kv * tiles;
+  std::vector<uint32_t> qt(units * pairs * kLanes, 0u);
+  std::vector<float> acc(units * D * kLanes, 0.f), m(units * kLanes, kNegInf), l(units * kLanes, 0.f);
+  for (int64_t h = 0; h < p.heads_kv; ++h)
     for (int64_t i = 0; i < queries; ++i) {
       const int64_t t = i / G, g = i % G;
       const uint16_t* q = query + b * p.q_stride_b + t * p.q_stride_t + (h * G + g) * p.q_stride_h;
-      uint32_t* dst = qt.data() + (i / kLanes) * pairs * kLanes + i % kLanes;
+      uint32_t* dst = qt.data() + (h * tiles + i / kLanes) * pairs * kLanes + i % kLanes;
       for (int64_t pp = 0; pp < pairs; ++pp) std::memcpy(dst + pp * kLanes, q + 2 * pp, 4);
     }
-    std::fill(m.begin(), m.end(), kNegInf);
-    std::fill(l.begin(), l.end(), 0.f);
-    std::fill(acc.begin(), acc.end(), 0.f);
-    for (int64_t block = begin; block < end; block += kKeyBlock) {
-      const int64_t n = std::min(kKeyBlock, end - block);
-      // sees[tile][j]: the lanes that see key block + j.
-      bool seen_by_any[kKeyBlock] = {};
-      for (int64_t tile = 0; tile < tiles; ++tile) {
-        if (tile_keys[tile].hi <= block || tile_keys[tile].lo >= block + n) continue;
-        const __m512i lo = _mm512_loadu_si512(lane_lo.data() + tile * kLanes);
-        const __m512i hi = _mm512_loadu_si512(lane_hi.data() + tile * kLanes);
-        for (int64_t j = 0; j < n; ++j) {
-          const int64_t key = block + j;
-          const __m512i k = _mm512_set1_epi32(static_cast<int>(key));
-          __mmask16 bits = _mm512_cmple_epi32_mask(lo, k) & _mm512_cmplt_epi32_mask(k, hi);
-          if (tree && key >= scratch_begin)
-            for (int64_t lane = 0; lane < kLanes; ++lane)
-              if ((bits >> lane) & 1 && !key_seen(p, b, lane_token[tile * kLanes + lane], key))
-                bits &= static_cast<__mmask16>(~(1u << lane));
-          sees[tile * kKeyBlock + j] = bits;
-          seen_by_any[j] |= bits != 0;
-        }
+  std::vector<uint16_t> value_pairs(kKeyBlock * D);
+  std::vector<uint32_t> weight_pairs(kKeyBlock / 2 * kLanes);
+  std::vector<__mmask16> sees(tiles * kKeyBlock);
+  const int64_t first_slot = b * p.max_length;
+  __m512 scores[kKeyBlock];
+  for (int64_t block = begin; block < end; block += kKeyBlock) {
+    const int64_t n = std::min(kKeyBlock, end - block);
+    const auto active = [&](int64_t tile) { return tile_keys[tile].hi > block && tile_keys[tile].lo < block + n; };
+    // sees[tile][j]: the lanes that see key block + j.
+    bool seen_by_any[kKeyBlock] = {};
+    for (int64_t tile = 0; tile < tiles; ++tile) {
+      if (!active(tile)) continue;
+      const __m512i lo = _mm512_loadu_si512(lane_lo.data() + tile * kLanes);
+      const __m512i hi = _mm512_loadu_si512(lane_hi.data() + tile * kLanes);
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t key = block + j;
+        const __m512i k = _mm512_set1_epi32(static_cast<int>(key));
+        __mmask16 bits = _mm512_cmple_epi32_mask(lo, k) & _mm512_cmplt_epi32_mask(k, hi);
+        if (tree && key >= scratch_begin)
+          for (int64_t lane = 0; lane < kLanes; ++lane)
+            if ((bits >> lane) & 1 && !key_seen(p, b, lane_token[tile * kLanes + lane], key))
+              bits &= static_cast<__mmask16>(~(1u << lane));
+        sees[tile * kKeyBlock + j] = bits;
+        seen_by_any[j] |= bits != 0;
       }
+    }
+    const int64_t key_pairs = (n + 1) / 2;
+    for (int64_t h = 0; h < p.heads_kv; ++h) {
       pair_values(v_cache + (first_slot + block) * slot_stride + h * D, slot_stride, n, D, seen_by_any,
                   value_pairs.data());
       const uint16_t* keys = k_cache + (first_slot + block) * slot_stride + h * D;
-      const int64_t key_pairs = (n + 1) / 2;
       for (int64_t tile = 0; tile < tiles; ++tile) {
-        if (tile_keys[tile].hi <= block || tile_keys[tile].lo >= block + n) continue;
+        if (!active(tile)) continue;
+        const int64_t unit = h * tiles + tile;
         const __mmask16* tile_sees = sees.data() + tile * kKeyBlock;
-        const uint32_t* tile_qt = qt.data() + tile * pairs * kLanes;
+        const uint32_t* unit_qt = qt.data() + unit * pairs * kLanes;
         int64_t j0 = 0;
-        for (; j0 + 8 <= n; j0 += 8) score_lanes<8>(tile_qt, keys, slot_stride, j0, n, pairs, scores);
-        for (; j0 < n; j0 += 4) score_lanes<4>(tile_qt, keys, slot_stride, j0, n, pairs, scores);
+        for (; j0 + 8 <= n; j0 += 8) score_lanes<8>(unit_qt, keys, slot_stride, j0, n, pairs, scores);
+        for (; j0 < n; j0 += 4) score_lanes<4>(unit_qt, keys, slot_stride, j0, n, pairs, scores);
         // Online softmax per lane: unseen keys' scores -inf, then the block max, the correction.
         const __m512 scale = _mm512_set1_ps(p.scale), neg_inf = _mm512_set1_ps(kNegInf);
         __m512 top = neg_inf;
@@ -440,10 +442,10 @@ QSPEC_TARGET_BF16_DOT void attend_keys_lanes(const AttentionParams<c10::BFloat16
           scores[j] = _mm512_mask_mul_ps(neg_inf, tile_sees[j], scores[j], scale);
           top = _mm512_max_ps(top, scores[j]);
         }
-        float* tile_m = m.data() + tile * kLanes;
-        float* tile_l = l.data() + tile * kLanes;
-        float* tile_acc = acc.data() + tile * D * kLanes;
-        const __m512 old_max = _mm512_loadu_ps(tile_m), new_max = _mm512_max_ps(old_max, top);
+        float* unit_m = m.data() + unit * kLanes;
+        float* unit_l = l.data() + unit * kLanes;
+        float* unit_acc = acc.data() + unit * D * kLanes;
+        const __m512 old_max = _mm512_loadu_ps(unit_m), new_max = _mm512_max_ps(old_max, top);
         const __mmask16 live = _mm512_cmp_ps_mask(new_max, neg_inf, _CMP_NEQ_OQ);  // lanes that saw a key
         const __m512 correction = _mm512_mask_blend_ps(live, _mm512_set1_ps(1.f), exp16(_mm512_sub_ps(old_max, new_max)));
         const __mmask16 moved = _mm512_cmp_ps_mask(correction, _mm512_set1_ps(1.f), _CMP_NEQ_OQ);
@@ -457,26 +459,27 @@ QSPEC_TARGET_BF16_DOT void attend_keys_lanes(const AttentionParams<c10::BFloat16
           const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(odd));
           _mm512_storeu_si512(weight_pairs.data() + j / 2 * kLanes, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
         }
-        _mm512_storeu_ps(tile_l, _mm512_fmadd_ps(_mm512_loadu_ps(tile_l), correction, sum));
-        _mm512_storeu_ps(tile_m, new_max);
+        _mm512_storeu_ps(unit_l, _mm512_fmadd_ps(_mm512_loadu_ps(unit_l), correction, sum));
+        _mm512_storeu_ps(unit_m, new_max);
         if (moved)
           for (int64_t d = 0; d < D; ++d)
-            _mm512_storeu_ps(tile_acc + d * kLanes, _mm512_mul_ps(_mm512_loadu_ps(tile_acc + d * kLanes), correction));
+            _mm512_storeu_ps(unit_acc + d * kLanes, _mm512_mul_ps(_mm512_loadu_ps(unit_acc + d * kLanes), correction));
         int64_t d0 = 0;
-        for (; d0 + 16 <= D; d0 += 16) weigh_values<16>(weight_pairs.data(), value_pairs.data(), key_pairs, D, d0, tile_acc);
-        for (; d0 + 4 <= D; d0 += 4) weigh_values<4>(weight_pairs.data(), value_pairs.data(), key_pairs, D, d0, tile_acc);
-        for (; d0 < D; d0 += 2) weigh_values<2>(weight_pairs.data(), value_pairs.data(), key_pairs, D, d0, tile_acc);
+        for (; d0 + 16 <= D; d0 += 16) weigh_values<16>(weight_pairs.data(), value_pairs.data(), key_pairs, D, d0, unit_acc);
+        for (; d0 + 4 <= D; d0 += 4) weigh_values<4>(weight_pairs.data(), value_pairs.data(), key_pairs, D, d0, unit_acc);
+        for (; d0 < D; d0 += 2) weigh_values<2>(weight_pairs.data(), value_pairs.data(), key_pairs, D, d0, unit_acc);
       }
     }
-    // The lanes' states into the state rows.
+  }
+  // The lanes' states into the state rows.
+  for (int64_t h = 0; h < p.heads_kv; ++h)
     for (int64_t i = 0; i < queries; ++i) {
       float* row = state + (h * queries + i) * width;
-      const int64_t tile = i / kLanes, lane = i % kLanes;
-      row[0] = m[tile * kLanes + lane];
-      row[1] = l[tile * kLanes + lane];
-      for (int64_t d = 0; d < D; ++d) row[2 + d] = acc[(tile * D + d) * kLanes + lane];
+      const int64_t unit = h * tiles + i / kLanes, lane = i % kLanes;
+      row[0] = m[unit * kLanes + lane];
+      row[1] = l[unit * kLanes + lane];
+      for (int64_t d = 0; d < D; ++d) row[2 + d] = acc[(unit * D + d) * kLanes + lane];
     }
-  }
 }
 #endif
 
