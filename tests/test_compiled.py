@@ -138,6 +138,21 @@ def test_compiled_plain_decoding_equals_eager(pair):
     assert compiled.tokens == generate_plain(target, PROMPTS, 20).tokens
 
 
+def test_compiled_steps_drop_finished_requests_in_powers_of_two(pair, monkeypatch):
+    """Requests that stop early leave the compiled batch too, a power of two at a time (finished
+    rows stay as padding up to it); tokens as eager decoding's."""
+    target, chain, _ = pair
+    plain = generate_plain(target, PROMPTS, 16)
+    eos = next(t for t in plain.tokens[0][1:5] if any(t not in other for other in plain.tokens[1:]))
+    sizes = []
+    keep = type(target).keep_requests
+    monkeypatch.setattr(type(target), "keep_requests", lambda self, rows, lengths: sizes.append(len(rows)) or
+                        keep(self, rows, lengths))
+    compiled = SpeculativeDecoder(target, chain, 3, compile=True).generate(PROMPTS, 16, eos_token_id=eos)
+    assert sizes and all(n & (n - 1) == 0 and n < len(PROMPTS) for n in sizes)
+    assert compiled.tokens == SpeculativeDecoder(target, chain, 3).generate(PROMPTS, 16, eos_token_id=eos).tokens
+
+
 def test_no_recompilation_for_other_prompts_of_the_same_bucket(pair):
     from torch._dynamo.utils import counters
 
