@@ -4,7 +4,10 @@
 // T tokens x the query heads), with an online softmax in fp32. (Register tiles of two queries
 // sharing each key and value they load measured slower: benchmarks/HISTORY.md.) Where keys
 // were split, a second pass merges the splits' partial (max, sum, accumulator) states into the
-// output; unsplit, each item writes its own.
+// output; unsplit, each item writes its own. An item's keys are attended by one of two kernels:
+// attend_keys (any dtype and CPU: each query row on its own, 8-lane vectors over head_dim) or, for
+// bf16 calls with enough queries per KV head on a CPU with AVX512-BF16, attend_keys_lanes (16
+// queries in the lanes of a register, vdpbf16ps).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
