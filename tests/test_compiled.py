@@ -140,7 +140,7 @@ def test_compiled_plain_decoding_equals_eager(pair):
 
 def test_compiled_steps_drop_finished_requests_in_powers_of_two(pair, monkeypatch):
     """Requests that stop early leave the compiled batch too, a power of two at a time (finished
-    rows stay as padding up to it); tokens as eager decoding's."""
+    rows stay as padding up to it); tokens as eager decoding's, speculative and plain."""
     target, chain, _ = pair
     plain = generate_plain(target, PROMPTS, 16)
     eos = next(t for t in plain.tokens[0][1:5] if any(t not in other for other in plain.tokens[1:]))
@@ -151,6 +151,10 @@ def test_compiled_steps_drop_finished_requests_in_powers_of_two(pair, monkeypatc
     compiled = SpeculativeDecoder(target, chain, 3, compile=True).generate(PROMPTS, 16, eos_token_id=eos)
     assert sizes and all(n & (n - 1) == 0 and n < len(PROMPTS) for n in sizes)
     assert compiled.tokens == SpeculativeDecoder(target, chain, 3).generate(PROMPTS, 16, eos_token_id=eos).tokens
+    sizes.clear()
+    assert generate_plain(target, PROMPTS, 16, eos_token_id=eos, compile=True).tokens == [
+        t[: t.index(eos) + 1] if eos in t else t for t in plain.tokens]
+    assert sizes and all(n & (n - 1) == 0 and n < len(PROMPTS) for n in sizes)
 
 
 def test_no_recompilation_for_other_prompts_of_the_same_bucket(pair):
