@@ -268,7 +268,6 @@ void merge_splits(const AttentionParams<T>& p, int64_t b, int64_t h, int64_t spl
   }
 }
 
-
 #if QSPEC_BF16_DOT
 // bf16 on AVX512-BF16: query-lane tiles. A KV head's queries (state rows h * queries + i) are taken
 // 16 at a time, one per lane of a 512-bit register, so that every step is a vertical operation on
