@@ -2,9 +2,7 @@
 // the other translation units) and exposes what this binary was built with.
 #include <pybind11/pybind11.h>
 
-namespace qspec_ext {
-bool cpu_bf16_dot();  // csrc/cpu/packed_linear.cpp
-}
+#include "ops.h"
 
 PYBIND11_MODULE(_C, m) {
   m.attr("version") = QSPEC_VERSION;
@@ -12,5 +10,6 @@ PYBIND11_MODULE(_C, m) {
   m.attr("cuda_archs") = QSPEC_CUDA_ARCHS;
   m.attr("built_with_torch") = QSPEC_TORCH_VERSION;
   m.def("cpu_bf16_dot", &qspec_ext::cpu_bf16_dot,
-        "Whether bf16 packed_linear runs AVX512-BF16 dot products on this CPU (QSPEC_CPU_BF16_DOT=0: never)");
+        "Whether the bf16 CPU kernels (packed_linear; cached_attention with >= 8 queries per KV head) run "
+        "AVX512-BF16 dot products on this CPU (QSPEC_CPU_BF16_DOT=0: never)");
 }

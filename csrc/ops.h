@@ -82,4 +82,9 @@ void cached_attention_cuda(const at::Tensor& query, const at::Tensor& k_cache, c
 void silu_and_mul_cpu(const at::Tensor& rows, at::Tensor& out);
 void silu_and_mul_cuda(const at::Tensor& rows, at::Tensor& out);
 
+// ---- the CPU's bf16 dot products ----
+// Whether this CPU has AVX512-BF16 (with AVX512-BW / VL) and QSPEC_CPU_BF16_DOT is not 0 (0 runs and
+// tests the other kernels on it): packed_linear's and cached_attention's bf16 kernels ask it.
+bool cpu_bf16_dot();  // csrc/cpu/packed_linear.cpp
+
 }  // namespace qspec_ext

@@ -35,12 +35,6 @@
 #define QSPEC_BF16_DOT 0
 #endif
 
-namespace qspec_ext {
-// Whether this CPU has AVX512-BF16 (and AVX512-BW) and QSPEC_CPU_BF16_DOT is not 0 (set to 0 to run
-// and test the other kernels on it); csrc/cpu/packed_linear.cpp.
-bool cpu_bf16_dot();
-}  // namespace qspec_ext
-
 namespace qspec_ext::cpu {
 
 // 8 fp32 lanes as one GCC vector: one AVX2 / AVX-512VL register, two SSE ones. (A 16-lane vector is

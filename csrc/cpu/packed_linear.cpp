@@ -24,6 +24,7 @@
 
 #include "checks.h"
 #include "cpu_common.h"
+#include "ops.h"
 
 namespace qspec_ext {
 

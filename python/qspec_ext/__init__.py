@@ -87,7 +87,8 @@ __all__ = [
 
 def build_info() -> dict:
     """What this installation was built with (package version, torch versions, CUDA archs) and what
-    its CPU kernels use here (``cpu_bf16_dot``: AVX512-BF16 in bf16 ``packed_linear``)."""
+    its CPU kernels use here (``cpu_bf16_dot``: AVX512-BF16 in bf16 ``packed_linear`` and
+    ``cached_attention``)."""
     return {
         "version": _C.version,
         "torch_version": torch.__version__,
