@@ -96,11 +96,13 @@ def test_kernel_path_equals_reference_path(arch, flags, batch):
         torch.testing.assert_close(vf, vs, atol=2e-4, rtol=2e-4)
 
 
+@pytest.mark.parametrize("layers", [1, 2])
 @pytest.mark.parametrize("flags", [dict(), dict(norm_output=True)], ids=["plain", "norm_output"])
-def test_prefill_last_only_keeps_the_last_pairs(flags):
+def test_prefill_last_only_keeps_the_last_pairs(flags, layers):
     """prefill(last_only=True) returns the logits of each request's last pair (ragged batch) and
-    leaves the same cache and draft state as a full prefill (x_next depends on norm_output)."""
-    config = make_config("qwen3", **flags)
+    leaves the same cache and draft state as a full prefill (x_next depends on norm_output), though
+    its last layer attends and runs its MLP for those pairs only."""
+    config = make_config("qwen3", layers, **flags)
     full, last = random_drafter(config), random_drafter(config)
     features, next_tokens, positions = inputs(4, 7, config, pad=True)
     all_logits, drafts_full, probs_full = run(full, 4, features, next_tokens, positions)

@@ -379,6 +379,9 @@ class Eagle3Drafter(nn.Module):
         embeds = self.embed_tokens(tokens.reshape(-1))
         residual = out = None
         at = CachedPositions(positions, self.max_length, tree)
+        # last_only: the last layer attends, and runs its MLP, for each request's last token only
+        # (every token's K/V is still written); the other rows' outputs would be dropped.
+        last = positions.argmax(dim=1) if last_only else None
         for i, layer in enumerate(self.layers):
             if i == 0:
                 u, residual = o.eagle3_input_norm(
@@ -387,12 +390,13 @@ class Eagle3Drafter(nn.Module):
             else:
                 o.fused_add_rms_norm_(out, residual, layer.input_layernorm.weight, c.rms_norm_eps)
                 u = out
-            out = layer.self_attn.forward_cached(o, u, self.caches[i], self.cos_sin, at, c.rms_norm_eps, c.window(i))
+            only_token = last if i == len(self.layers) - 1 else None
+            out = layer.self_attn.forward_cached(o, u, self.caches[i], self.cos_sin, at, c.rms_norm_eps, c.window(i),
+                                                 only_token)
+            if only_token is not None:
+                residual = residual.view(B, T, -1)[torch.arange(B, device=out.device), only_token]
             o.fused_add_rms_norm_(out, residual, layer.post_attention_layernorm.weight, c.rms_norm_eps)
             out = layer.mlp(out, o)
-        if last_only:
-            last = (torch.arange(B, device=out.device), positions.argmax(dim=1))
-            out, residual = out.view(B, T, -1)[last], residual.view(B, T, -1)[last]
         o.fused_add_rms_norm_(out, residual, self.norm.weight, c.rms_norm_eps)  # out = z, residual = h
         logits = self.lm_head(out)
         x_next = out if c.norm_output else residual

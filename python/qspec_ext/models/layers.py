@@ -122,18 +122,27 @@ class Attention(nn.Module):
         return (None, None) if q_norm is None else (q_norm.weight, self.k_norm.weight)
 
     def forward_cached(self, ops, u: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], cos_sin: torch.Tensor,
-                       at: "CachedPositions", eps: float, window: int | None = None) -> torch.Tensor:
+                       at: "CachedPositions", eps: float, window: int | None = None,
+                       only_token: torch.Tensor | None = None) -> torch.Tensor:
         """o_proj(attention) of u ``[B*T, in]`` at the forward's positions ``at``: packed QKV,
         qk_norm_rope_ with the K/V written into the cache, cached_attention over the slots in use.
         Chains use the slot of each position, causal by position; a draft tree brings its own
-        slots and what each node sees (:class:`TreeAttention`)."""
+        slots and what each node sees (:class:`TreeAttention`). ``only_token`` ``[B]``: every
+        token's K/V is written, but only token ``only_token[b]`` of each request attends (a last
+        layer whose other rows nobody reads): returns ``[B, H]``."""
         batch, tokens = at.positions.shape
         qkv = self.qkv(u)
         ops.qk_norm_rope_(qkv, *self.qk_norm_weights(), cos_sin, at.rope_positions, self.heads, self.kv_heads,
                           self.head_dim, eps, True, *cache, at.slots)
         q = qkv[:, : self.heads * self.head_dim].reshape(batch, tokens, self.heads, self.head_dim)
-        context = ops.cached_attention(q, *cache, at.positions, self.head_dim**-0.5, window or 0, *at.tree_args)
-        return self.o_proj(context.reshape(batch * tokens, -1))
+        positions, tree_args = at.positions, at.tree_args
+        if only_token is not None:
+            if at.tree_args != (None, None):
+                raise ValueError("Attention.forward_cached: only_token is for chains, not draft trees")
+            pick = (torch.arange(batch, device=q.device), only_token)
+            q, positions = q[pick][:, None], positions[pick][:, None]
+        context = ops.cached_attention(q, *cache, positions, self.head_dim**-0.5, window or 0, *tree_args)
+        return self.o_proj(context.reshape(q.shape[0] * q.shape[1], -1))
 
 
 class MLP(nn.Module):
