@@ -13,6 +13,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include "checks.h"
@@ -45,7 +46,7 @@ void decoder_layer(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& i
                    const at::Tensor& positions, const at::Tensor& rope_positions, const at::Tensor& slots,
                    const std::optional<at::Tensor>& tree_start, const std::optional<at::Tensor>& tree_seen,
                    int64_t num_heads_q, int64_t num_heads_kv, int64_t head_dim, int64_t intermediate_size,
-                   double eps) {
+                   double eps, const std::optional<at::Tensor>& token_rows) {
   static const auto fused_add_rms_norm =
       op_handle<void(at::Tensor&, at::Tensor&, const at::Tensor&, double)>("qspec_ext::fused_add_rms_norm_");
   static const auto qk_norm_rope = op_handle<void(
@@ -61,23 +62,46 @@ void decoder_layer(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& i
   QSPEC_CHECK(residual.sizes() == hidden.sizes() && residual.scalar_type() == hidden.scalar_type(), kOp, "residual",
               "must match hidden ", hidden.sizes(), " ", hidden.scalar_type(), ", got ", residual.sizes(), " ",
               residual.scalar_type());
-  QSPEC_CHECK(positions.dim() == 2 && positions.size(0) * positions.size(1) == hidden.size(0), kOp, "positions",
-              "must be [batch, tokens] with batch * tokens = hidden's ", hidden.size(0), " rows, got ",
-              positions.sizes());
+  QSPEC_CHECK(positions.dim() == 2, kOp, "positions", "must be 2-D [batch, tokens], got ", positions.sizes());
+  const int64_t grid = positions.size(0) * positions.size(1);
+  if (token_rows) {
+    QSPEC_CHECK(token_rows->dim() == 1 && token_rows->size(0) == hidden.size(0) &&
+                    token_rows->scalar_type() == at::kLong && token_rows->device() == hidden.device(),
+                kOp, "token_rows", "must be int64 [", hidden.size(0), "] (hidden's rows) on ", hidden.device(),
+                ", got ", token_rows->scalar_type(), " ", token_rows->sizes(), " on ", token_rows->device());
+    if (token_rows->is_cpu()) {  // (on CUDA the index ops below check the bounds)
+      const at::Tensor rows = token_rows->contiguous();
+      const int64_t* row = rows.const_data_ptr<int64_t>();
+      for (int64_t i = 0; i < rows.numel(); ++i)
+        QSPEC_CHECK(row[i] >= (i ? row[i - 1] + 1 : 0) && row[i] < grid, kOp, "token_rows",
+                    "must be increasing rows of the [batch * tokens] = ", grid, " grid of positions, got ", row[i],
+                    " at index ", i);
+    }
+  } else {
+    QSPEC_CHECK(grid == hidden.size(0), kOp, "positions",
+                "must be [batch, tokens] with batch * tokens = hidden's ", hidden.size(0), " rows, got ",
+                positions.sizes());
+  }
   for (const auto& [name, size] : {std::pair<std::string_view, int64_t>{"num_heads_q", num_heads_q},
                                     {"num_heads_kv", num_heads_kv}, {"head_dim", head_dim},
                                     {"intermediate_size", intermediate_size}})
     QSPEC_CHECK(size > 0, kOp, name, "must be positive, got ", size);
-  const int64_t rows = hidden.size(0), width = hidden.size(1), q_width = num_heads_q * head_dim;
+  const int64_t width = hidden.size(1), q_width = num_heads_q * head_dim;
 
   fused_add_rms_norm.call(hidden, residual, input_norm, eps);  // residual += hidden; hidden = its norm
   at::Tensor qkv = project("qkv_weight", hidden, qkv_weight, q_width + 2 * num_heads_kv * head_dim);
   qk_norm_rope.call(qkv, q_norm, k_norm, cos_sin_cache, rope_positions, num_heads_q, num_heads_kv, head_dim, eps,
                     true, k_cache, v_cache, slots);
-  const at::Tensor query = qkv.narrow(1, 0, q_width).view({positions.size(0), positions.size(1), num_heads_q, head_dim});
-  const at::Tensor context = cached_attention.call(query, k_cache, v_cache, positions, std::pow(double(head_dim), -0.5),
-                                                   0, tree_start, tree_seen);
-  at::Tensor attended = project("o_weight", context.view({rows, q_width}), o_weight, width);
+  // Packed tokens (token_rows): their queries go to their rows of the [B, T] grid (padding rows
+  // zero, position -1: attention leaves them), and their contexts come back.
+  at::Tensor query = qkv.narrow(1, 0, q_width);
+  if (token_rows) query = at::zeros({grid, q_width}, query.options()).index_copy_(0, *token_rows, query);
+  const at::Tensor context = cached_attention.call(
+      query.view({positions.size(0), positions.size(1), num_heads_q, head_dim}), k_cache, v_cache, positions,
+      std::pow(double(head_dim), -0.5), 0, tree_start, tree_seen);
+  at::Tensor context_rows = context.view({grid, q_width});
+  if (token_rows) context_rows = context_rows.index_select(0, *token_rows);
+  at::Tensor attended = project("o_weight", context_rows, o_weight, width);
   fused_add_rms_norm.call(attended, residual, post_norm, eps);
   const at::Tensor gated = silu_and_mul.call(project("gate_up_weight", attended, gate_up_weight, 2 * intermediate_size));
   hidden.copy_(project("down_weight", gated, down_weight, width));

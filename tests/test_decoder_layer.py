@@ -90,9 +90,37 @@ def test_the_residual_is_the_stream_entering_the_mlp(device):
     assert_close(got["residual"], stream)
 
 
+def packed_tokens(args: dict, rows: list[int]) -> dict:
+    """The same call on the tokens at grid rows ``rows`` only (token_rows)."""
+    index = torch.tensor(rows, device=args["hidden"].device)
+    per_token = {name: args[name][index] for name in ("hidden", "residual", "rope_positions", "slots")}
+    return dict(cloned(args), **per_token, token_rows=index)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_tokens_match_their_rows_of_the_grid(device, dtype):
+    """token_rows (a prefill without its padding): the tokens' new stream and the caches are the
+    grid call's, for the op and for the reference; the padding row (grid row 5) is not run."""
+    args = layer_args(device, dtype)
+    grid, grid_reference = run_both(args)
+    packed = packed_tokens(args, [0, 1, 2, 3, 4])
+    got, expected = cloned(packed), cloned(packed)
+    with torch.no_grad():
+        ops.decoder_layer_(**got)
+        reference.decoder_layer_(**expected)
+    for name in ("hidden", "residual"):
+        assert_close(got[name], grid[name][:5])
+        assert_close(expected[name], grid_reference[name][:5])
+    for name in ("k_cache", "v_cache"):
+        assert_close(got[name], grid[name])
+        assert_close(expected[name], grid_reference[name])
+
+
 def test_opcheck_and_compile(device):
     args = layer_args(device, torch.float32)
     torch.library.opcheck(torch.ops.qspec_ext.decoder_layer_.default, tuple(cloned(args).values()))
+    torch.library.opcheck(torch.ops.qspec_ext.decoder_layer_.default,
+                          tuple(packed_tokens(args, [0, 2, 3, 4]).values()))
     if device == "cpu":
         packed = layer_args(device, torch.bfloat16, packed=True)
         torch.library.opcheck(torch.ops.qspec_ext.decoder_layer_.default, tuple(cloned(packed).values()))
@@ -119,4 +147,19 @@ def test_bad_input_names_the_op_and_the_argument(change, message):
     args = dict(layer_args("cpu", torch.float32), **change)
     with pytest.raises(RuntimeError, match="decoder_layer_") as error:
         ops.decoder_layer_(**args)
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize("rows,message", [
+    (torch.tensor([0, 1, 2, 3], dtype=torch.int32), "argument 'token_rows' must be int64 [5] (hidden's rows) on cpu, "
+                                                    "got Int [4]"),
+    (torch.tensor([0, 2, 1, 3, 4]), "argument 'token_rows' must be increasing rows of the [batch * tokens] = 6 grid "
+                                    "of positions, got 1 at index 2"),
+    (torch.tensor([0, 1, 2, 3, 6]), "grid of positions, got 6 at index 4"),
+    (torch.tensor([-1, 1, 2, 3, 4]), "grid of positions, got -1 at index 0"),
+])
+def test_bad_token_rows_name_the_op_and_the_argument(rows, message):
+    args = packed_tokens(layer_args("cpu", torch.float32), [0, 1, 2, 3, 4])
+    with pytest.raises(RuntimeError, match="decoder_layer_") as error:
+        ops.decoder_layer_(**dict(args, token_rows=rows))
     assert message in str(error.value)

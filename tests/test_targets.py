@@ -175,6 +175,34 @@ def pair(hf_dir):
     return NativeTarget.from_pretrained(hf_dir, aux_layer_ids=AUX), make_drafter()
 
 
+def test_a_ragged_prefill_runs_its_tokens_packed(pair):
+    """A last_only forward (a prefill) of prompts of 5, 2, 9 and 1 tokens runs their 17 tokens,
+    not the 36 of the padded grid, and gives what each prompt alone gives: the last logits, the
+    aux features (gathered by grid rows), the cache slots."""
+    target, _ = pair
+    prompts = PROMPTS[:4]
+    width = max(map(len, prompts))
+    tokens = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
+    positions = torch.tensor([list(range(len(p))) + [-1] * (width - len(p)) for p in prompts])
+    target.setup(len(prompts), 16)
+    logits = target(tokens, positions, last_only=True)
+    assert target.capture.features()[0][0].shape[0] == sum(map(len, prompts))
+    grid_rows = torch.where(positions >= 0, torch.arange(tokens.numel()).view_as(tokens), -1).reshape(-1)
+    features = target.capture.gather(grid_rows).view(len(prompts), width, -1)
+    caches = [(k.view(len(prompts), 16, -1).clone(), v.view(len(prompts), 16, -1).clone()) for k, v in target.caches]
+    target.setup(1, 16)
+    for b, prompt in enumerate(prompts):
+        alone = target(torch.tensor([prompt]), torch.arange(len(prompt))[None], last_only=True)
+        torch.testing.assert_close(logits[b], alone[0], atol=1e-5, rtol=1e-5)
+        n = len(prompt)
+        alone_features = target.capture.gather(torch.arange(n))
+        torch.testing.assert_close(features[b, :n], alone_features, atol=1e-5, rtol=1e-5)
+        assert not features[b, n:].any()  # padding: zeros
+        for (k, v), (k_alone, v_alone) in zip(caches, target.caches):
+            torch.testing.assert_close(k[b, :n], k_alone.view(16, -1)[:n], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(v[b, :n], v_alone.view(16, -1)[:n], atol=1e-5, rtol=1e-5)
+
+
 def _expected_with_stops(reference: list[int], stops: set[int]) -> list[int]:
     for i, token in enumerate(reference):
         if token in stops:

@@ -51,6 +51,7 @@ class AuxHiddenCapture:
         self.layer_ids = list(layer_ids)
         self._hidden: dict[int, torch.Tensor] = {}
         self._residual: dict[int, torch.Tensor] = {}
+        self._packed_row: torch.Tensor | None = None
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
 
     def record(self, layer_id: int, hidden: torch.Tensor, residual: torch.Tensor | None = None) -> None:
@@ -61,11 +62,15 @@ class AuxHiddenCapture:
         if residual is not None:
             self._residual[layer_id] = residual.reshape(-1, residual.shape[-1])
 
-    def store(self, records: list[tuple[int, torch.Tensor, torch.Tensor | None]]) -> None:
+    def store(self, records: list[tuple[int, torch.Tensor, torch.Tensor | None]],
+              packed_row: torch.Tensor | None = None) -> None:
         """Replaces what is recorded with these (layer id, hidden, residual) of one forward. New
-        dicts, not the old ones mutated: a compiled forward then has no guard on their contents."""
+        dicts, not the old ones mutated: a compiled forward then has no guard on their contents.
+        ``packed_row`` ``[B*T]``: the forward ran its tokens packed; the row holding each token of
+        its ``[B, T]`` grid (-1: padding), which :meth:`gather`'s indices still count in."""
         self._hidden = {i: h.reshape(-1, h.shape[-1]) for i, h, _ in records if i in self.layer_ids}
         self._residual = {i: r.reshape(-1, r.shape[-1]) for i, h, r in records if i in self.layer_ids and r is not None}
+        self._packed_row = packed_row
 
     def features(self) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         missing = [i for i in self.layer_ids if i not in self._hidden]
@@ -88,6 +93,8 @@ class AuxHiddenCapture:
     ) -> torch.Tensor:
         """The drafter's fc input ``[N, n*H]`` for the recorded tokens at ``indices`` (-1 = padding)."""
         hidden, residual = self.features()
+        if self._packed_row is not None:
+            indices = torch.where(indices >= 0, self._packed_row[indices.clamp(min=0)], -1)
         if out is None:
             return gather_aux_hidden(hidden, indices, residual, norm_mode, norm_weight, eps)
         gather_aux_hidden_out(hidden, indices, out, residual, norm_mode, norm_weight, eps)
@@ -96,6 +103,7 @@ class AuxHiddenCapture:
     def clear(self) -> None:
         self._hidden.clear()
         self._residual.clear()
+        self._packed_row = None
 
     @classmethod
     def attach(cls, model: nn.Module, layer_ids: Sequence[int] | None = None) -> "AuxHiddenCapture":

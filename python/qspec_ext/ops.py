@@ -294,6 +294,7 @@ def decoder_layer_(
     head_dim: int,
     intermediate_size: int,
     eps: float,
+    token_rows: torch.Tensor | None = None,
 ) -> None:
     """One pre-norm decoder layer (Llama / Qwen3: the native target's), in place, composed of the
     ops above in one call: ``residual += hidden``; ``u = RMSNorm(residual) * input_norm``;
@@ -304,11 +305,14 @@ def decoder_layer_(
     down(silu_and_mul(gate_up(RMSNorm(residual) * post_norm)))``.
 
     hidden, residual: ``[B*T, H]``, same dtype; projection weights ``[N, K]`` as stored, or packed
-    (``models.linear.pack_weight``, CPU: through ``packed_linear``).
+    (``models.linear.pack_weight``, CPU: through ``packed_linear``). ``token_rows`` (int64 ``[N]``,
+    increasing): hidden, residual, rope_positions and slots hold only these rows of the ``[B*T]``
+    grid of positions (packed tokens: a prefill's padding costs nothing); the queries are placed
+    in the grid for the attention, their contexts taken back.
     """
     _ops.decoder_layer_(hidden, residual, input_norm, post_norm, qkv_weight, o_weight, gate_up_weight, down_weight,
                         q_norm, k_norm, k_cache, v_cache, cos_sin_cache, positions, rope_positions, slots, tree_start,
-                        tree_seen, num_heads_q, num_heads_kv, head_dim, intermediate_size, eps)
+                        tree_seen, num_heads_q, num_heads_kv, head_dim, intermediate_size, eps, token_rows)
 
 
 @torch.library.register_fake("qspec_ext::cached_attention")

@@ -162,9 +162,15 @@ class CachedPositions:
     """A forward's token positions ``[B, T]`` (-1 pads) and what every layer's cached attention
     derives from them, once per forward: each token's cache slot ``[B*T]`` (its position's slot in
     its request's rows, which start at b * max_length; its draft tree's scratch slot; -1 pads), the
-    RoPE positions (padding rotated as 0, its rows unused) and the tree's attention arguments."""
+    RoPE positions (padding rotated as 0, its rows unused) and the tree's attention arguments.
 
-    def __init__(self, positions: torch.Tensor, max_length: int, tree: "TreeAttention | None" = None):
+    ``packed``: where the grid has padding, the forward runs its tokens only: ``token_rows`` holds
+    their rows of the ``[B*T]`` grid (None: all of them), ``slots`` and ``rope_positions`` are
+    theirs, and ``packed_row`` ``[B*T]`` maps a grid row to its token's row (-1: padding). Finds
+    the padding on the host (a synchronization): for prefills, whose prompts differ in length."""
+
+    def __init__(self, positions: torch.Tensor, max_length: int, tree: "TreeAttention | None" = None,
+                 packed: bool = False):
         self.positions = positions
         if tree is None:
             start = torch.arange(positions.shape[0], device=positions.device)[:, None] * max_length
@@ -173,6 +179,21 @@ class CachedPositions:
             self.slots = tree.slots
         self.rope_positions = positions.reshape(-1).clamp(min=0)
         self.tree_args = (None, None) if tree is None else (tree.start, tree.seen)
+        self.token_rows = self.packed_row = None
+        if packed:
+            if tree is not None:
+                raise ValueError("CachedPositions: packed is for prefills, not draft trees")
+            present = positions.reshape(-1) >= 0
+            rows = present.nonzero()[:, 0]
+            if rows.numel() < present.numel():
+                self.token_rows = rows
+                self.slots, self.rope_positions = self.slots[rows], self.rope_positions[rows]
+                self.packed_row = torch.full(present.shape, -1, dtype=torch.long, device=rows.device)
+                self.packed_row[rows] = torch.arange(rows.numel(), device=rows.device)
+
+    def tokens(self, grid: torch.Tensor) -> torch.Tensor:
+        """The forward's rows of ``grid`` ``[B*T, ...]``: all, or its tokens' when packed."""
+        return grid if self.token_rows is None else grid[self.token_rows]
 
 
 class TreeAttention:

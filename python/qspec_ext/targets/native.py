@@ -97,7 +97,7 @@ class DecoderLayer(nn.Module):
                            mlp.gate_up_proj.inference_weight(hidden), mlp.down_proj.inference_weight(hidden),
                            *attn.qk_norm_weights(), *cache, cos_sin, at.positions, at.rope_positions, at.slots,
                            *at.tree_args, attn.heads, attn.kv_heads, attn.head_dim, c.intermediate_size,
-                           c.rms_norm_eps)
+                           c.rms_norm_eps, at.token_rows)
 
 
 class NativeModel(nn.Module):
@@ -218,16 +218,17 @@ class NativeTarget(nn.Module):
         tokens ``[B, T]`` at positions ``[B, T]`` (-1 = padding). The aux features of all B*T rows
         are in :attr:`capture` until the next call (with CUDA graphs: of any compiled graph).
         ``tree``: the tokens are a draft tree (its slots and ancestor mask); :meth:`keep_path` then
-        keeps the accepted path."""
+        keeps the accepted path. A ``last_only`` forward (a prefill) runs the tokens only, packed,
+        not the padding of shorter prompts (eager: a compiled graph keeps its static shapes)."""
         c, o = self.config, self.ops
         B, T = tokens.shape
         if not self.caches or B != self.batch_size:
             raise RuntimeError(f"NativeTarget: call setup({B}, max_length) first")
         aux = set(self.aux_layer_ids)
         records = []  # (aux layer, hidden, residual): stored at once, see AuxHiddenCapture.store
-        hidden = self.model.embed_tokens(tokens.reshape(-1))
+        at = CachedPositions(positions, self.max_length, tree, packed=last_only and not torch.compiler.is_compiling())
+        hidden = self.model.embed_tokens(at.tokens(tokens.reshape(-1)))
         residual = torch.zeros_like(hidden)  # layer 0 adds the embeddings to it: residual = them
-        at = CachedPositions(positions, self.max_length, tree)
         for i, layer in enumerate(self.model.layers):
             if i in aux:  # the stream entering layer i, copied: the layer updates both parts in place
                 records.append((i, hidden.clone(), residual.clone() if i else None))
@@ -238,11 +239,11 @@ class NativeTarget(nn.Module):
         else:
             o.fused_add_rms_norm_(hidden, residual, self.model.norm.weight, c.rms_norm_eps)
             z = hidden
-        self.capture.store(records)
-        z = z.view(B, T, -1)
+        self.capture.store(records, at.packed_row)
         if last_only:
-            z = z[torch.arange(B, device=z.device), positions.argmax(dim=1)]
-        return self.lm_head(z)
+            last = torch.arange(B, device=z.device) * T + positions.argmax(dim=1)
+            return self.lm_head(z[last if at.packed_row is None else at.packed_row[last]])
+        return self.lm_head(z.view(B, T, -1))
 
     @torch.no_grad()
     def keep_requests(self, rows: list[int], lengths: list[int]) -> None:
