@@ -12,4 +12,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("cpu_bf16_dot", &qspec_ext::cpu_bf16_dot,
         "Whether the bf16 CPU kernels (packed_linear; cached_attention with >= 8 queries per KV head) run "
         "AVX512-BF16 dot products on this CPU (QSPEC_CPU_BF16_DOT=0: never)");
+  m.def("cpu_avx512", &qspec_ext::cpu_avx512,
+        "Whether fp32 cached_attention with >= 8 queries per KV head runs AVX-512 query lanes on this CPU "
+        "(QSPEC_CPU_AVX512=0: never)");
 }

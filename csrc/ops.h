@@ -82,9 +82,12 @@ void cached_attention_cuda(const at::Tensor& query, const at::Tensor& k_cache, c
 void silu_and_mul_cpu(const at::Tensor& rows, at::Tensor& out);
 void silu_and_mul_cuda(const at::Tensor& rows, at::Tensor& out);
 
-// ---- the CPU's bf16 dot products ----
+// ---- the CPU's vector extensions ----
 // Whether this CPU has AVX512-BF16 (with AVX512-BW / VL) and QSPEC_CPU_BF16_DOT is not 0 (0 runs and
 // tests the other kernels on it): packed_linear's and cached_attention's bf16 kernels ask it.
 bool cpu_bf16_dot();  // csrc/cpu/packed_linear.cpp
+// Whether this CPU has AVX-512 (F, BW, VL) and QSPEC_CPU_AVX512 is not 0: cached_attention's fp32
+// query-lane kernel asks it.
+bool cpu_avx512();  // csrc/cpu/packed_linear.cpp
 
 }  // namespace qspec_ext

@@ -88,8 +88,9 @@ def test_long_contexts_split_over_keys_and_match_the_reference(device):
     check_against_reference(attention_inputs(1, 4, 8, 2, 64, 4096, torch.bfloat16, device, contexts=[3001]))
 
 
-def test_padding_queries_and_queries_that_see_nothing_give_zeros(device):
-    inputs = attention_inputs(3, 3, 4, 2, 64, 50, torch.float32, device)
+@pytest.mark.parametrize("heads_q", [4, 8])  # 6 and 12 queries per KV head: both CPU kernels
+def test_padding_queries_and_queries_that_see_nothing_give_zeros(device, heads_q):
+    inputs = attention_inputs(3, 3, heads_q, 2, 64, 50, torch.float32, device)
     inputs["positions"][0] = -1
     # The output is allocated uninitialized: freed NaNs of its size first, which the allocator
     # hands back to it, so an element the kernel leaves unwritten shows.
@@ -97,7 +98,7 @@ def test_padding_queries_and_queries_that_see_nothing_give_zeros(device):
     del nans
     got = check_against_reference(inputs)
     assert (got[0] == 0).all() and (got[2, -1] == 0).all()
-    tree = attention_inputs(2, 2, 4, 2, 64, 50, torch.float32, device, contexts=[0, 0], scratch=3)
+    tree = attention_inputs(2, 2, heads_q, 2, 64, 50, torch.float32, device, contexts=[0, 0], scratch=3)
     tree["tree_seen"][0, 0] = False  # no context, no scratch slot: nothing seen
     assert (check_against_reference(tree)[0, 0] == 0).all()
 
@@ -132,25 +133,29 @@ def test_only_the_slots_a_query_sees_are_read(device, case, dtype):
     torch.testing.assert_close(got, expected, **ATTENTION_TOLERANCES[dtype])
 
 
-def test_both_bf16_cpu_kernels_match_the_reference():
-    """On a CPU with AVX512-BF16, bf16 calls with at least 8 queries per KV head take the
-    query-lane kernel (vdpbf16ps); a child process with QSPEC_CPU_BF16_DOT=0 checks the other
-    kernel on the same calls, on any CPU."""
+@pytest.mark.parametrize("dtype,switch", [(torch.bfloat16, "QSPEC_CPU_BF16_DOT"), (torch.float32, "QSPEC_CPU_AVX512")])
+def test_both_cpu_kernels_match_the_reference(dtype, switch):
+    """Calls with at least 8 queries per KV head take the query-lane kernel: bf16 on a CPU with
+    AVX512-BF16 (vdpbf16ps), fp32 on one with AVX-512; a child process with the switch at 0
+    checks the other kernel on the same calls, on any CPU."""
     script = textwrap.dedent("""
         import sys, torch
         sys.path.insert(0, %r)
         from test_attention import ATTENTION_TOLERANCES, attention_inputs
         from qspec_ext import ops, reference
+        dtype = getattr(torch, %r)
         for tokens, heads_q, heads_kv, head_dim, scratch in [(4, 9, 3, 64, None), (40, 9, 3, 64, None),
-                                                             (5, 8, 2, 64, 6), (4, 4, 2, 38, None)]:
-            inputs = attention_inputs(3, tokens, heads_q, heads_kv, head_dim, 300, torch.bfloat16, "cpu",
-                                      scratch=scratch)
+                                                             (5, 8, 2, 64, 6), (4, 4, 2, 38, None),
+                                                             (7, 6, 3, 21, None)]:
+            if dtype == torch.bfloat16 and head_dim %% 2:
+                continue  # bf16 lanes take element pairs: an odd head_dim stays on the other kernel
+            inputs = attention_inputs(3, tokens, heads_q, heads_kv, head_dim, 300, dtype, "cpu", scratch=scratch)
             torch.testing.assert_close(ops.cached_attention(**inputs), reference.cached_attention(**inputs),
-                                       **ATTENTION_TOLERANCES[torch.bfloat16])
+                                       **ATTENTION_TOLERANCES[dtype])
         print("ok")
-    """ % os.path.dirname(__file__))
+    """ % (os.path.dirname(__file__), str(dtype).removeprefix("torch.")))
     for setting in ("0", "1"):
-        env = {**os.environ, "QSPEC_CPU_BF16_DOT": setting}
+        env = {**os.environ, switch: setting}
         run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
         assert run.returncode == 0 and run.stdout.split()[-1] == "ok", run.stderr
 

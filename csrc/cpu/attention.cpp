@@ -269,18 +269,20 @@ void merge_splits(const AttentionParams<T>& p, int64_t b, int64_t h, int64_t spl
 }
 
 #if QSPEC_BF16_DOT
-// bf16 on AVX512-BF16: query-lane tiles. A KV head's queries (state rows h * queries + i) are taken
-// 16 at a time, one per lane of a 512-bit register, so that every step is a vertical operation on
-// 16 queries: the scores of a key are 16 lanes of vdpbf16ps over the head_dim pairs (the key's
-// pair broadcast, the queries' pairs transposed once per item), the online softmax runs per lane
-// (no horizontal sums), and the values are weighted with vdpbf16ps too: the softmax numerators of
-// two keys as a bf16 pair per lane, the two keys' values interleaved into pairs (FlashAttention's
-// bf16 P; the running sum stays in fp32). Used when a head has enough queries to fill the lanes
-// (a verify step's T x G, a prefill); a decode step's few queries take the kernel above.
+// Query-lane tiles (AVX-512): a KV head's queries (state rows h * queries + i) are taken 16 at a
+// time, one per lane of a 512-bit register, so that every step is a vertical operation on 16
+// queries: the scores of a key are 16 lanes of dot products over head_dim (the key's elements
+// broadcast, the queries transposed once per item), the online softmax runs per lane (no
+// horizontal sums), the values are weighted the same way. Used when a head has enough queries to
+// fill the lanes (a verify step's T x G, a prefill); a decode step's few queries take the kernel
+// above. fp32 with FMAs; bf16 on AVX512-BF16 with vdpbf16ps on element pairs: the softmax
+// numerators of two keys as a bf16 pair per lane, the two keys' values interleaved into pairs
+// (FlashAttention's bf16 P; the running sum stays in fp32).
 constexpr int64_t kLanes = 16;
-constexpr int64_t kMinLaneQueries = 8;
+// Fewest queries per KV head for the lane kernels: below, the other kernel measured faster.
+constexpr int64_t kMinLaneQueriesFloat = 8, kMinLaneQueriesBf16 = 8;
 
-QSPEC_TARGET_BF16_DOT QSPEC_INLINE __m512 exp16(__m512 x) {
+QSPEC_TARGET_AVX512 QSPEC_INLINE __m512 exp16(__m512 x) {
   // vec_exp's steps on 16 lanes: 0 below -87 (and for -inf), saturating at 88.3.
   const __mmask16 underflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LT_OQ);
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.3f));
@@ -298,14 +300,190 @@ QSPEC_TARGET_BF16_DOT QSPEC_INLINE __m512 exp16(__m512 x) {
   return _mm512_maskz_mul_ps(static_cast<__mmask16>(~underflow), er, _mm512_castsi512_ps(two_n));
 }
 
+// One item's query-lane tiles: each lane's keys in [begin, end) (the same for every head; a lane
+// past the queries sees none), each tile's union of them, and per (KV head, tile) unit the online-
+// softmax state: max m and sum l per lane, accumulator acc[unit][d][lane].
+struct LaneTiles {
+  int64_t tiles, units, D;
+  std::vector<int32_t> lo, hi, token;
+  std::vector<KeyRange> keys;
+  std::vector<float> m, l, acc;
+
+  template <typename T>
+  LaneTiles(const AttentionParams<T>& p, int64_t b, int64_t begin, int64_t end)
+      : tiles((p.tokens * (p.heads_q / p.heads_kv) + kLanes - 1) / kLanes), units(p.heads_kv * tiles), D(p.head_dim),
+        lo(tiles * kLanes, 0), hi(tiles * kLanes, 0), token(tiles * kLanes, 0), keys(tiles, KeyRange{end, begin}),
+        m(units * kLanes, kNegInf), l(units * kLanes, 0.f), acc(units * D * kLanes, 0.f) {
+    const int64_t G = p.heads_q / p.heads_kv;
+    for (int64_t i = 0; i < p.tokens * G; ++i) {
+      const int64_t t = i / G;
+      const KeyRange r = key_range(p, b, t);
+      const int64_t first = std::max(r.lo, begin), last = std::min(r.hi, end);
+      token[i] = static_cast<int32_t>(t);
+      if (last <= first) continue;
+      lo[i] = static_cast<int32_t>(first), hi[i] = static_cast<int32_t>(last);
+      KeyRange& u = keys[i / kLanes];
+      u = {std::min(u.lo, first), std::max(u.hi, last)};
+    }
+  }
+  bool active(int64_t tile, int64_t block, int64_t n) const { return keys[tile].hi > block && keys[tile].lo < block + n; }
+
+  // The lanes' states into the state rows.
+  void store(int64_t heads_kv, int64_t queries, float* state) const {
+    for (int64_t h = 0; h < heads_kv; ++h)
+      for (int64_t i = 0; i < queries; ++i) {
+        float* row = state + (h * queries + i) * (D + 2);
+        const int64_t unit = h * tiles + i / kLanes, lane = i % kLanes;
+        row[0] = m[unit * kLanes + lane];
+        row[1] = l[unit * kLanes + lane];
+        for (int64_t d = 0; d < D; ++d) row[2 + d] = acc[(unit * D + d) * kLanes + lane];
+      }
+  }
+};
+
+// sees[tile][j]: the lanes that see key block + j (of the block's n); seen_by_any[j]: whether any
+// lane of any tile does.
+template <typename T>
+QSPEC_TARGET_AVX512 QSPEC_INLINE void block_sees(const AttentionParams<T>& p, int64_t b, const LaneTiles& lanes,
+                                                 int64_t block, int64_t n, __mmask16* sees, bool* seen_by_any) {
+  const bool tree = p.tree_start != nullptr;
+  const int64_t scratch_begin = tree ? p.tree_start[b] : p.max_length;
+  std::fill_n(seen_by_any, kKeyBlock, false);
+  for (int64_t tile = 0; tile < lanes.tiles; ++tile) {
+    if (!lanes.active(tile, block, n)) continue;
+    const __m512i lo = _mm512_loadu_si512(lanes.lo.data() + tile * kLanes);
+    const __m512i hi = _mm512_loadu_si512(lanes.hi.data() + tile * kLanes);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t key = block + j;
+      const __m512i k = _mm512_set1_epi32(static_cast<int>(key));
+      __mmask16 bits = _mm512_cmple_epi32_mask(lo, k) & _mm512_cmplt_epi32_mask(k, hi);
+      if (tree && key >= scratch_begin)
+        for (int64_t lane = 0; lane < kLanes; ++lane)
+          if ((bits >> lane) & 1 && !key_seen(p, b, lanes.token[tile * kLanes + lane], key))
+            bits &= static_cast<__mmask16>(~(1u << lane));
+      sees[tile * kKeyBlock + j] = bits;
+      seen_by_any[j] |= bits != 0;
+    }
+  }
+}
+
+// One unit's online softmax over a block's n scores (16 lanes each, unscaled): unseen keys'
+// scores -inf, the block max, the running max and sum moved, the accumulator rescaled; scores[j]
+// becomes key j's softmax numerators (0 in lanes that do not see it).
+QSPEC_TARGET_AVX512 QSPEC_INLINE void softmax_lanes(__m512* __restrict__ scores, int64_t n,
+                                                    const __mmask16* __restrict__ sees, float scale, int64_t D,
+                                                    float* __restrict__ m, float* __restrict__ l,
+                                                    float* __restrict__ acc) {
+  const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+  __m512 top = neg_inf;
+  for (int64_t j = 0; j < n; ++j) {
+    scores[j] = _mm512_mask_mul_ps(neg_inf, sees[j], scores[j], _mm512_set1_ps(scale));
+    top = _mm512_max_ps(top, scores[j]);
+  }
+  const __m512 old_max = _mm512_loadu_ps(m), new_max = _mm512_max_ps(old_max, top);
+  const __mmask16 live = _mm512_cmp_ps_mask(new_max, neg_inf, _CMP_NEQ_OQ);  // lanes that saw a key
+  const __m512 correction = _mm512_mask_blend_ps(live, _mm512_set1_ps(1.f), exp16(_mm512_sub_ps(old_max, new_max)));
+  const __mmask16 moved = _mm512_cmp_ps_mask(correction, _mm512_set1_ps(1.f), _CMP_NEQ_OQ);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    scores[j] = _mm512_maskz_mov_ps(sees[j], exp16(_mm512_sub_ps(scores[j], new_max)));
+    sum = _mm512_add_ps(sum, scores[j]);
+  }
+  _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), correction, sum));
+  _mm512_storeu_ps(m, new_max);
+  if (moved)
+    for (int64_t d = 0; d < D; ++d)
+      _mm512_storeu_ps(acc + d * kLanes, _mm512_mul_ps(_mm512_loadu_ps(acc + d * kLanes), correction));
+}
+
+// fp32: scores[j] (16 lanes) = the lanes' queries . key j, for the block's keys [j0, j0 + R); key
+// rows past n - 1 read key n - 1 (masked later). qt: the tile's queries, [D][16].
+template <int R>
+QSPEC_TARGET_AVX512 QSPEC_INLINE void score_lanes(const float* __restrict__ qt, const float* __restrict__ keys,
+                                                  int64_t stride, int64_t j0, int64_t n, int64_t D,
+                                                  __m512* __restrict__ scores) {
+  const float* rows[R];
+  for (int k = 0; k < R; ++k) rows[k] = keys + std::min<int64_t>(j0 + k, n - 1) * stride;
+  __m512 acc[R];
+  for (int k = 0; k < R; ++k) acc[k] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const __m512 q = _mm512_loadu_ps(qt + d * kLanes);
+    for (int k = 0; k < R; ++k) acc[k] = _mm512_fmadd_ps(_mm512_set1_ps(rows[k][d]), q, acc[k]);
+  }
+  for (int k = 0; k < R; ++k) scores[j0 + k] = acc[k];
+}
+
+// fp32: acc[d] (16 lanes, d in [d0, d0 + C)) += sum over the block's keys seen by some lane of the
+// lanes' weights x the key's value (a key no lane sees is skipped: its slot may hold NaN).
+template <int C>
+QSPEC_TARGET_AVX512 QSPEC_INLINE void weigh_values(const __m512* __restrict__ weights, const float* __restrict__ values,
+                                                   int64_t stride, int64_t n, const bool* __restrict__ seen_by_any,
+                                                   int64_t d0, float* __restrict__ acc) {
+  __m512 a[C];
+  for (int c = 0; c < C; ++c) a[c] = _mm512_loadu_ps(acc + (d0 + c) * kLanes);
+  for (int64_t j = 0; j < n; ++j) {
+    if (!seen_by_any[j]) continue;
+    const float* v = values + j * stride + d0;
+    for (int c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(weights[j], _mm512_set1_ps(v[c]), a[c]);
+  }
+  for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + (d0 + c) * kLanes, a[c]);
+}
+
+// attend_keys for fp32 with query-lane tiles: keys [begin, end) of request b, the same state rows.
+// Key blocks outer, KV heads inner, as attend_keys: a block's slots are read whole (all heads).
+QSPEC_TARGET_AVX512 void attend_keys_lanes(const AttentionParams<float>& p, int64_t b, int64_t begin, int64_t end,
+                                           float* state) {
+  const int64_t D = p.head_dim, G = p.heads_q / p.heads_kv, queries = p.tokens * G;
+  const int64_t slot_stride = p.heads_kv * D;
+  reset_states(state, p.heads_q * p.tokens, D + 2);
+  if (begin >= end) return;
+  LaneTiles lanes(p, b, begin, end);
+  const int64_t tiles = lanes.tiles;
+  std::vector<float> qt(lanes.units * D * kLanes, 0.f);  // per unit, [D][lane]; lanes past the queries 0
+  for (int64_t h = 0; h < p.heads_kv; ++h)
+    for (int64_t i = 0; i < queries; ++i) {
+      const float* q = p.query + b * p.q_stride_b + i / G * p.q_stride_t + (h * G + i % G) * p.q_stride_h;
+      float* dst = qt.data() + (h * tiles + i / kLanes) * D * kLanes + i % kLanes;
+      for (int64_t d = 0; d < D; ++d) dst[d * kLanes] = q[d];
+    }
+  std::vector<__mmask16> sees(tiles * kKeyBlock);
+  bool seen_by_any[kKeyBlock];
+  __m512 scores[kKeyBlock];
+  const int64_t first_slot = b * p.max_length;
+  for (int64_t block = begin; block < end; block += kKeyBlock) {
+    const int64_t n = std::min(kKeyBlock, end - block);
+    block_sees(p, b, lanes, block, n, sees.data(), seen_by_any);
+    for (int64_t h = 0; h < p.heads_kv; ++h) {
+      const float* keys = p.k_cache + (first_slot + block) * slot_stride + h * D;
+      const float* values = p.v_cache + (first_slot + block) * slot_stride + h * D;
+      for (int64_t tile = 0; tile < tiles; ++tile) {
+        if (!lanes.active(tile, block, n)) continue;
+        const int64_t unit = h * tiles + tile;
+        const float* unit_qt = qt.data() + unit * D * kLanes;
+        int64_t j0 = 0;
+        for (; j0 + 8 <= n; j0 += 8) score_lanes<8>(unit_qt, keys, slot_stride, j0, n, D, scores);
+        for (; j0 < n; j0 += 4) score_lanes<4>(unit_qt, keys, slot_stride, j0, n, D, scores);
+        float* unit_acc = lanes.acc.data() + unit * D * kLanes;
+        softmax_lanes(scores, n, sees.data() + tile * kKeyBlock, p.scale, D, lanes.m.data() + unit * kLanes,
+                      lanes.l.data() + unit * kLanes, unit_acc);
+        int64_t d0 = 0;
+        for (; d0 + 16 <= D; d0 += 16) weigh_values<16>(scores, values, slot_stride, n, seen_by_any, d0, unit_acc);
+        for (; d0 + 4 <= D; d0 += 4) weigh_values<4>(scores, values, slot_stride, n, seen_by_any, d0, unit_acc);
+        for (; d0 < D; ++d0) weigh_values<1>(scores, values, slot_stride, n, seen_by_any, d0, unit_acc);
+      }
+    }
+  }
+  lanes.store(p.heads_kv, queries, state);
+}
+
 QSPEC_TARGET_BF16_DOT QSPEC_INLINE __m512bh broadcast_pair(const uint16_t* p) {
   uint32_t v;
   std::memcpy(&v, p, sizeof v);
   return (__m512bh)_mm512_set1_epi32(static_cast<int>(v));
 }
 
-// scores[j] (16 lanes) = the lanes' queries . key j, for the block's keys [j0, j0 + R); key rows
-// past n - 1 read key n - 1 (masked later). qt: the tile's query pairs, [pairs][16].
+// bf16: scores[j] (16 lanes) = the lanes' queries . key j, for the block's keys [j0, j0 + R); key
+// rows past n - 1 read key n - 1 (masked later). qt: the tile's query pairs, [pairs][16].
 template <int R>
 QSPEC_TARGET_BF16_DOT QSPEC_INLINE void score_lanes(const uint32_t* __restrict__ qt, const uint16_t* __restrict__ keys,
                                                     int64_t stride, int64_t j0, int64_t n, int64_t pairs,
@@ -321,8 +499,8 @@ QSPEC_TARGET_BF16_DOT QSPEC_INLINE void score_lanes(const uint32_t* __restrict__
   for (int k = 0; k < R; ++k) scores[j0 + k] = acc[k];
 }
 
-// acc[d] (16 lanes, d in [d0, d0 + C)) += sum over key pairs of the lanes' weight pairs . the
-// pairs' interleaved values: [key pairs][D] 4-byte pairs.
+// bf16: acc[d] (16 lanes, d in [d0, d0 + C)) += sum over key pairs of the lanes' weight pairs .
+// the pairs' interleaved values: [key pairs][D] 4-byte pairs.
 template <int C>
 QSPEC_TARGET_BF16_DOT QSPEC_INLINE void weigh_values(const uint32_t* __restrict__ weight_pairs,
                                                      const uint16_t* __restrict__ value_pairs, int64_t key_pairs,
@@ -360,112 +538,56 @@ QSPEC_TARGET_BF16_DOT QSPEC_INLINE void pair_values(const uint16_t* __restrict__
   }
 }
 
-// attend_keys for bf16 with query-lane tiles: keys [begin, end) of request b, the same state rows.
-// Key blocks outer, KV heads inner, as attend_keys: a block's slots are read whole (all heads).
+// attend_keys for bf16 with query-lane tiles (AVX512-BF16): as the fp32 one, with element pairs.
 QSPEC_TARGET_BF16_DOT void attend_keys_lanes(const AttentionParams<c10::BFloat16>& p, int64_t b, int64_t begin,
                                              int64_t end, float* state) {
-  const int64_t D = p.head_dim, G = p.heads_q / p.heads_kv, queries = p.tokens * G, width = D + 2;
-  const int64_t pairs = D / 2, slot_stride = p.heads_kv * D, tiles = (queries + kLanes - 1) / kLanes;
-  reset_states(state, p.heads_q * p.tokens, width);
+  const int64_t D = p.head_dim, G = p.heads_q / p.heads_kv, queries = p.tokens * G;
+  const int64_t pairs = D / 2, slot_stride = p.heads_kv * D;
+  reset_states(state, p.heads_q * p.tokens, D + 2);
   if (begin >= end) return;
-  // Each lane's keys in [begin, end) (the same for every head); a lane past the queries sees none.
-  std::vector<int32_t> lane_lo(tiles * kLanes, 0), lane_hi(tiles * kLanes, 0), lane_token(tiles * kLanes, 0);
-  std::vector<KeyRange> tile_keys(tiles, KeyRange{end, begin});
-  for (int64_t i = 0; i < queries; ++i) {
-    const int64_t t = i / G;
-    const KeyRange r = key_range(p, b, t);
-    const int64_t lo = std::max(r.lo, begin), hi = std::min(r.hi, end);
-    lane_token[i] = static_cast<int32_t>(t);
-    if (hi <= lo) continue;
-    lane_lo[i] = static_cast<int32_t>(lo), lane_hi[i] = static_cast<int32_t>(hi);
-    KeyRange& u = tile_keys[i / kLanes];
-    u = {std::min(u.lo, lo), std::max(u.hi, hi)};
-  }
-  const bool tree = p.tree_start != nullptr;
-  const int64_t scratch_begin = tree ? p.tree_start[b] : p.max_length;
+  LaneTiles lanes(p, b, begin, end);
+  const int64_t tiles = lanes.tiles;
   const auto* k_cache = reinterpret_cast<const uint16_t*>(p.k_cache);
   const auto* v_cache = reinterpret_cast<const uint16_t*>(p.v_cache);
   const auto* query = reinterpret_cast<const uint16_t*>(p.query);
-  // Per (KV head, tile): the query pairs transposed, qt[.][pair][lane] (lanes past the queries
-  // zeros), and the online-softmax state: max m and sum l per lane, accumulator acc[.][d][lane].
-  const int64_t units = p.heads_kv * tiles;
-  std::vector<uint32_t> qt(units * pairs * kLanes, 0u);
-  std::vector<float> acc(units * D * kLanes, 0.f), m(units * kLanes, kNegInf), l(units * kLanes, 0.f);
+  std::vector<uint32_t> qt(lanes.units * pairs * kLanes, 0u);  // per unit, [pair][lane]; lanes past the queries 0
   for (int64_t h = 0; h < p.heads_kv; ++h)
     for (int64_t i = 0; i < queries; ++i) {
-      const int64_t t = i / G, g = i % G;
-      const uint16_t* q = query + b * p.q_stride_b + t * p.q_stride_t + (h * G + g) * p.q_stride_h;
+      const uint16_t* q = query + b * p.q_stride_b + i / G * p.q_stride_t + (h * G + i % G) * p.q_stride_h;
       uint32_t* dst = qt.data() + (h * tiles + i / kLanes) * pairs * kLanes + i % kLanes;
       for (int64_t pp = 0; pp < pairs; ++pp) std::memcpy(dst + pp * kLanes, q + 2 * pp, 4);
     }
   std::vector<uint16_t> value_pairs(kKeyBlock * D);
   std::vector<uint32_t> weight_pairs(kKeyBlock / 2 * kLanes);
   std::vector<__mmask16> sees(tiles * kKeyBlock);
-  const int64_t first_slot = b * p.max_length;
+  bool seen_by_any[kKeyBlock];
   __m512 scores[kKeyBlock];
+  const int64_t first_slot = b * p.max_length;
   for (int64_t block = begin; block < end; block += kKeyBlock) {
     const int64_t n = std::min(kKeyBlock, end - block);
-    const auto active = [&](int64_t tile) { return tile_keys[tile].hi > block && tile_keys[tile].lo < block + n; };
-    // sees[tile][j]: the lanes that see key block + j.
-    bool seen_by_any[kKeyBlock] = {};
-    for (int64_t tile = 0; tile < tiles; ++tile) {
-      if (!active(tile)) continue;
-      const __m512i lo = _mm512_loadu_si512(lane_lo.data() + tile * kLanes);
-      const __m512i hi = _mm512_loadu_si512(lane_hi.data() + tile * kLanes);
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t key = block + j;
-        const __m512i k = _mm512_set1_epi32(static_cast<int>(key));
-        __mmask16 bits = _mm512_cmple_epi32_mask(lo, k) & _mm512_cmplt_epi32_mask(k, hi);
-        if (tree && key >= scratch_begin)
-          for (int64_t lane = 0; lane < kLanes; ++lane)
-            if ((bits >> lane) & 1 && !key_seen(p, b, lane_token[tile * kLanes + lane], key))
-              bits &= static_cast<__mmask16>(~(1u << lane));
-        sees[tile * kKeyBlock + j] = bits;
-        seen_by_any[j] |= bits != 0;
-      }
-    }
+    block_sees(p, b, lanes, block, n, sees.data(), seen_by_any);
     const int64_t key_pairs = (n + 1) / 2;
     for (int64_t h = 0; h < p.heads_kv; ++h) {
       pair_values(v_cache + (first_slot + block) * slot_stride + h * D, slot_stride, n, D, seen_by_any,
                   value_pairs.data());
       const uint16_t* keys = k_cache + (first_slot + block) * slot_stride + h * D;
       for (int64_t tile = 0; tile < tiles; ++tile) {
-        if (!active(tile)) continue;
+        if (!lanes.active(tile, block, n)) continue;
         const int64_t unit = h * tiles + tile;
-        const __mmask16* tile_sees = sees.data() + tile * kKeyBlock;
         const uint32_t* unit_qt = qt.data() + unit * pairs * kLanes;
         int64_t j0 = 0;
         for (; j0 + 8 <= n; j0 += 8) score_lanes<8>(unit_qt, keys, slot_stride, j0, n, pairs, scores);
         for (; j0 < n; j0 += 4) score_lanes<4>(unit_qt, keys, slot_stride, j0, n, pairs, scores);
-        // Online softmax per lane: unseen keys' scores -inf, then the block max, the correction.
-        const __m512 scale = _mm512_set1_ps(p.scale), neg_inf = _mm512_set1_ps(kNegInf);
-        __m512 top = neg_inf;
-        for (int64_t j = 0; j < n; ++j) {
-          scores[j] = _mm512_mask_mul_ps(neg_inf, tile_sees[j], scores[j], scale);
-          top = _mm512_max_ps(top, scores[j]);
-        }
-        float* unit_m = m.data() + unit * kLanes;
-        float* unit_l = l.data() + unit * kLanes;
-        float* unit_acc = acc.data() + unit * D * kLanes;
-        const __m512 old_max = _mm512_loadu_ps(unit_m), new_max = _mm512_max_ps(old_max, top);
-        const __mmask16 live = _mm512_cmp_ps_mask(new_max, neg_inf, _CMP_NEQ_OQ);  // lanes that saw a key
-        const __m512 correction = _mm512_mask_blend_ps(live, _mm512_set1_ps(1.f), exp16(_mm512_sub_ps(old_max, new_max)));
-        const __mmask16 moved = _mm512_cmp_ps_mask(correction, _mm512_set1_ps(1.f), _CMP_NEQ_OQ);
-        __m512 sum = _mm512_setzero_ps();
+        float* unit_acc = lanes.acc.data() + unit * D * kLanes;
+        softmax_lanes(scores, n, sees.data() + tile * kKeyBlock, p.scale, D, lanes.m.data() + unit * kLanes,
+                      lanes.l.data() + unit * kLanes, unit_acc);
+        // The numerators of keys 2jp and 2jp + 1 as one bf16 pair per lane (past n: 0).
         for (int64_t j = 0; j < key_pairs * 2; j += 2) {
-          const __m512 even = _mm512_maskz_mov_ps(tile_sees[j], exp16(_mm512_sub_ps(scores[j], new_max)));
-          const __m512 odd = j + 1 < n ? _mm512_maskz_mov_ps(tile_sees[j + 1], exp16(_mm512_sub_ps(scores[j + 1], new_max)))
-                                       : _mm512_setzero_ps();
-          sum = _mm512_add_ps(sum, _mm512_add_ps(even, odd));
-          const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(even));
+          const __m512 odd = j + 1 < n ? scores[j + 1] : _mm512_setzero_ps();
+          const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(scores[j]));
           const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(odd));
           _mm512_storeu_si512(weight_pairs.data() + j / 2 * kLanes, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
         }
-        _mm512_storeu_ps(unit_l, _mm512_fmadd_ps(_mm512_loadu_ps(unit_l), correction, sum));
-        _mm512_storeu_ps(unit_m, new_max);
-        if (moved)
-          for (int64_t d = 0; d < D; ++d)
-            _mm512_storeu_ps(unit_acc + d * kLanes, _mm512_mul_ps(_mm512_loadu_ps(unit_acc + d * kLanes), correction));
         int64_t d0 = 0;
         for (; d0 + 16 <= D; d0 += 16) weigh_values<16>(weight_pairs.data(), value_pairs.data(), key_pairs, D, d0, unit_acc);
         for (; d0 + 4 <= D; d0 += 4) weigh_values<4>(weight_pairs.data(), value_pairs.data(), key_pairs, D, d0, unit_acc);
@@ -473,15 +595,7 @@ QSPEC_TARGET_BF16_DOT void attend_keys_lanes(const AttentionParams<c10::BFloat16
       }
     }
   }
-  // The lanes' states into the state rows.
-  for (int64_t h = 0; h < p.heads_kv; ++h)
-    for (int64_t i = 0; i < queries; ++i) {
-      float* row = state + (h * queries + i) * width;
-      const int64_t unit = h * tiles + i / kLanes, lane = i % kLanes;
-      row[0] = m[unit * kLanes + lane];
-      row[1] = l[unit * kLanes + lane];
-      for (int64_t d = 0; d < D; ++d) row[2 + d] = acc[(unit * D + d) * kLanes + lane];
-    }
+  lanes.store(p.heads_kv, queries, state);
 }
 #endif
 
@@ -489,22 +603,23 @@ QSPEC_TARGET_BF16_DOT void attend_keys_lanes(const AttentionParams<c10::BFloat16
 template <typename T>
 void attend_item(const AttentionParams<T>& p, bool lanes, int64_t b, int64_t begin, int64_t end, float* state) {
 #if QSPEC_BF16_DOT
-  if constexpr (std::is_same_v<T, c10::BFloat16>)
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>)
     if (lanes) return attend_keys_lanes(p, b, begin, end, state);
 #endif
   attend_keys(p, b, begin, end, state);
 }
 
-// Whether a call takes the query-lane tiles: bf16 on AVX512-BF16, an even head_dim, and enough
-// queries per KV head to fill the lanes.
+// Whether a call takes the query-lane tiles: fp32 on AVX-512, bf16 on AVX512-BF16 with an even
+// head_dim, and enough queries per KV head to fill the lanes.
 template <typename T>
 bool use_lanes(const AttentionShape& s) {
 #if QSPEC_BF16_DOT
-  return std::is_same_v<T, c10::BFloat16> && cpu_bf16_dot() && s.head_dim % 2 == 0 &&
-         s.tokens * (s.heads_q / s.heads_kv) >= kMinLaneQueries;
-#else
-  return false;
+  const int64_t queries = s.tokens * (s.heads_q / s.heads_kv);
+  if constexpr (std::is_same_v<T, float>) return cpu_avx512() && queries >= kMinLaneQueriesFloat;
+  if constexpr (std::is_same_v<T, c10::BFloat16>)
+    return cpu_bf16_dot() && s.head_dim % 2 == 0 && queries >= kMinLaneQueriesBf16;
 #endif
+  return false;
 }
 
 }  // namespace

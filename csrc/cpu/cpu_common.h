@@ -25,12 +25,13 @@
 #endif
 #define QSPEC_INLINE inline __attribute__((always_inline))
 
-// AVX512-BF16 kernels (vdpbf16ps): GCC on x86-64, as the target clones; a target attribute, and
-// cpu_bf16_dot() picks them at run time.
+// AVX-512 and AVX512-BF16 (vdpbf16ps) kernels: GCC on x86-64, as the target clones; a target
+// attribute, and cpu_avx512() / cpu_bf16_dot() pick them at run time.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #include <immintrin.h>
 #define QSPEC_BF16_DOT 1
 #define QSPEC_TARGET_BF16_DOT __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define QSPEC_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
 #else
 #define QSPEC_BF16_DOT 0
 #endif

@@ -213,11 +213,26 @@ void panel_rows(const uint16_t* x, int64_t x_stride, const uint16_t* packed, int
 }
 #endif
 
+bool turned_off(const char* variable) {
+  const char* setting = std::getenv(variable);
+  return setting != nullptr && std::string_view(setting) == "0";
+}
+
+// AVX-512 (F, BW, VL) on this CPU, unless QSPEC_CPU_AVX512=0 (to run and test the other kernels on it).
+bool detect_avx512() {
+#if QSPEC_BF16_DOT
+  if (turned_off("QSPEC_CPU_AVX512")) return false;
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+#else
+  return false;
+#endif
+}
+
 // AVX512-BF16 on this CPU, unless QSPEC_CPU_BF16_DOT=0 (to run and test the widening path on it).
 bool detect_bf16_dot() {
 #if QSPEC_BF16_DOT
-  const char* setting = std::getenv("QSPEC_CPU_BF16_DOT");
-  if (setting != nullptr && std::string_view(setting) == "0") return false;
+  if (turned_off("QSPEC_CPU_BF16_DOT")) return false;
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
 #else
@@ -240,6 +255,7 @@ void packed_gemm(const X* x, int64_t x_stride, const W* packed, int64_t M, int64
 }
 
 const bool kBf16Dot = detect_bf16_dot();
+const bool kAvx512 = detect_avx512();
 
 at::Tensor packed_linear_cpu(const at::Tensor& input, const at::Tensor& packed_weight, int64_t out_features) {
   QSPEC_CHECK(input.dim() == 2, kOp, "input", "must be 2-D [rows, in_features], got ", input.dim(), "-D ",
@@ -289,5 +305,6 @@ at::Tensor packed_linear_cpu(const at::Tensor& input, const at::Tensor& packed_w
 TORCH_LIBRARY_IMPL(qspec_ext, CPU, m) { m.impl("packed_linear", &packed_linear_cpu); }
 
 bool cpu_bf16_dot() { return kBf16Dot; }
+bool cpu_avx512() { return kAvx512; }
 
 }  // namespace qspec_ext
