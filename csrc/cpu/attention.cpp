@@ -123,6 +123,27 @@ QSPEC_INLINE void reset_states(float* state, int64_t count, int64_t width) {
   }
 }
 
+// Asks the memory for the key and value slots (all KV heads) kPrefetchBlocks blocks after the
+// block at `block` of an item ending at `end` (at its first block, the ones before too), so that
+// they arrive while the blocks between are computed: a request's slots stream from DRAM once the
+// caches outgrow the L3 (every layer's, between one step's calls), and the hardware prefetcher
+// stops at each 4 KB page. Into L2 (prefetcht1): measured faster than into L1.
+constexpr int64_t kPrefetchBlocks = 1;
+template <typename T>
+QSPEC_INLINE void prefetch_ahead(const T* k_cache, const T* v_cache, int64_t first_slot, int64_t slot_stride,
+                                 int64_t begin, int64_t block, int64_t end) {
+  const int64_t from = block == begin ? block + kKeyBlock : block + kPrefetchBlocks * kKeyBlock;
+  const int64_t to = std::min(end, block + (kPrefetchBlocks + 1) * kKeyBlock);
+  if (from >= to) return;
+  const char* k = reinterpret_cast<const char*>(k_cache + (first_slot + from) * slot_stride);
+  const char* v = reinterpret_cast<const char*>(v_cache + (first_slot + from) * slot_stride);
+  const int64_t bytes = (to - from) * slot_stride * static_cast<int64_t>(sizeof(T));
+  for (int64_t at = 0; at < bytes; at += 64) {
+    __builtin_prefetch(k + at, 0, 2);
+    __builtin_prefetch(v + at, 0, 2);
+  }
+}
+
 // One state row's update by a key block: scores of unseen keys masked, the running max and sum
 // moved, the accumulator rescaled; weights = the block's softmax numerators (0 for unseen keys).
 // False (the row and weights untouched) when the row sees no key of the block.
@@ -188,6 +209,7 @@ QSPEC_INLINE void attend_keys_impl(const AttentionParams<T>& p, int64_t b, int64
     const int64_t n = std::min(kKeyBlock, end - block);
     const T* k_src = p.k_cache + (first_slot + block) * slot_stride;
     const T* v_src = p.v_cache + (first_slot + block) * slot_stride;
+    prefetch_ahead(p.k_cache, p.v_cache, first_slot, slot_stride, begin, block, end);
     char seen_by_any[kKeyBlock] = {};
     for (int64_t t = 0; t < p.tokens; ++t) {
       const KeyRange range = ranges[t];
@@ -452,6 +474,7 @@ QSPEC_TARGET_AVX512 void attend_keys_lanes(const AttentionParams<float>& p, int6
   const int64_t first_slot = b * p.max_length;
   for (int64_t block = begin; block < end; block += kKeyBlock) {
     const int64_t n = std::min(kKeyBlock, end - block);
+    prefetch_ahead(p.k_cache, p.v_cache, first_slot, slot_stride, begin, block, end);
     block_sees(p, b, lanes, block, n, sees.data(), seen_by_any);
     for (int64_t h = 0; h < p.heads_kv; ++h) {
       const float* keys = p.k_cache + (first_slot + block) * slot_stride + h * D;
@@ -565,6 +588,7 @@ QSPEC_TARGET_BF16_DOT void attend_keys_lanes(const AttentionParams<c10::BFloat16
   const int64_t first_slot = b * p.max_length;
   for (int64_t block = begin; block < end; block += kKeyBlock) {
     const int64_t n = std::min(kKeyBlock, end - block);
+    prefetch_ahead(k_cache, v_cache, first_slot, slot_stride, begin, block, end);
     block_sees(p, b, lanes, block, n, sees.data(), seen_by_any);
     const int64_t key_pairs = (n + 1) / 2;
     for (int64_t h = 0; h < p.heads_kv; ++h) {
