@@ -101,7 +101,7 @@ def test_kernel_path_equals_reference_path(arch, flags, batch):
 def test_prefill_last_only_keeps_the_last_pairs(flags, layers):
     """prefill(last_only=True) returns the logits of each request's last pair (ragged batch) and
     leaves the same cache and draft state as a full prefill (x_next depends on norm_output), though
-    its last layer attends and runs its MLP for those pairs only."""
+    it runs without the padding and its last layer attends and runs its MLP for those pairs only."""
     config = make_config("qwen3", layers, **flags)
     full, last = random_drafter(config), random_drafter(config)
     features, next_tokens, positions = inputs(4, 7, config, pad=True)
@@ -114,8 +114,9 @@ def test_prefill_last_only_keeps_the_last_pairs(flags, layers):
     drafts, probs = last.draft(4, return_probs=True)
     assert torch.equal(drafts, drafts_full)
     torch.testing.assert_close(probs, probs_full, atol=1e-5, rtol=1e-5)
-    for (kf, vf), (kl, vl) in zip(full.caches, last.caches):
-        assert torch.equal(kf, kl) and torch.equal(vf, vl)
+    for (kf, vf), (kl, vl) in zip(full.caches, last.caches):  # (packed: other GEMM row tiles, other roundings)
+        torch.testing.assert_close(kl, kf, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(vl, vf, atol=1e-5, rtol=1e-5)
 
 
 def test_kernel_path_bf16_close_to_fp32():

@@ -177,15 +177,19 @@ def pair(hf_dir):
 
 def test_a_ragged_prefill_runs_its_tokens_packed(pair):
     """A last_only forward (a prefill) of prompts of 5, 2, 9 and 1 tokens runs their 17 tokens,
-    not the 36 of the padded grid, and gives what each prompt alone gives: the last logits, the
-    aux features (gathered by grid rows), the cache slots."""
+    not the 36 of the padded grid (its last layer attends for the last tokens only), and gives
+    what the full forward gives at the last tokens, and what each prompt alone gives: the last
+    logits, the aux features (gathered by grid rows), the cache slots."""
     target, _ = pair
     prompts = PROMPTS[:4]
     width = max(map(len, prompts))
     tokens = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
     positions = torch.tensor([list(range(len(p))) + [-1] * (width - len(p)) for p in prompts])
     target.setup(len(prompts), 16)
+    full = target(tokens, positions)
     logits = target(tokens, positions, last_only=True)
+    ends = torch.tensor([len(p) - 1 for p in prompts])
+    torch.testing.assert_close(logits, full[torch.arange(len(prompts)), ends], atol=1e-5, rtol=1e-5)
     assert target.capture.features()[0][0].shape[0] == sum(map(len, prompts))
     grid_rows = torch.where(positions >= 0, torch.arange(tokens.numel()).view_as(tokens), -1).reshape(-1)
     features = target.capture.gather(grid_rows).view(len(prompts), width, -1)

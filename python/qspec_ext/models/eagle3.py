@@ -371,17 +371,18 @@ class Eagle3Drafter(nn.Module):
         B, T = tokens.shape
         if B != self.batch_size or not self.caches:
             raise RuntimeError(f"Eagle3Drafter: call setup({B}, max_length) first (set up for {getattr(self, 'batch_size', None)})")
+        # last_only (a prefill): the tokens run packed, without the grid's padding (eager: a
+        # compiled graph keeps its static shapes), and the last layer attends, and runs its MLP,
+        # for each request's last token only (every token's K/V is still written).
+        at = CachedPositions(positions, self.max_length, tree, packed=last_only and not torch.compiler.is_compiling())
         if from_features:
-            features = hidden.reshape(B * T, -1)
+            features = at.tokens(hidden.reshape(B * T, -1))
             x = self.fc(features if normalized else self.fc_input(features))
         else:
-            x = hidden.reshape(B * T, -1)
-        embeds = self.embed_tokens(tokens.reshape(-1))
+            x = at.tokens(hidden.reshape(B * T, -1))
+        embeds = self.embed_tokens(at.tokens(tokens.reshape(-1)))
         residual = out = None
-        at = CachedPositions(positions, self.max_length, tree)
-        # last_only: the last layer attends, and runs its MLP, for each request's last token only
-        # (every token's K/V is still written); the other rows' outputs would be dropped.
-        last = positions.argmax(dim=1) if last_only else None
+        last = at.last_tokens() if last_only else None
         for i, layer in enumerate(self.layers):
             if i == 0:
                 u, residual = o.eagle3_input_norm(
@@ -390,11 +391,11 @@ class Eagle3Drafter(nn.Module):
             else:
                 o.fused_add_rms_norm_(out, residual, layer.input_layernorm.weight, c.rms_norm_eps)
                 u = out
-            only_token = last if i == len(self.layers) - 1 else None
+            only = last if i == len(self.layers) - 1 else None
             out = layer.self_attn.forward_cached(o, u, self.caches[i], self.cos_sin, at, c.rms_norm_eps, c.window(i),
-                                                 only_token)
-            if only_token is not None:
-                residual = residual.view(B, T, -1)[torch.arange(B, device=out.device), only_token]
+                                                 only)
+            if only is not None:
+                residual = residual[only.rows]
             o.fused_add_rms_norm_(out, residual, layer.post_attention_layernorm.weight, c.rms_norm_eps)
             out = layer.mlp(out, o)
         o.fused_add_rms_norm_(out, residual, self.norm.weight, c.rms_norm_eps)  # out = z, residual = h

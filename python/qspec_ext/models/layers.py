@@ -1,6 +1,8 @@
 """Building blocks shared by the drafter and the built-in target: weight holders named
 as in the checkpoints, and attention over a static per-request KV cache."""
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -123,26 +125,31 @@ class Attention(nn.Module):
 
     def forward_cached(self, ops, u: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], cos_sin: torch.Tensor,
                        at: "CachedPositions", eps: float, window: int | None = None,
-                       only_token: torch.Tensor | None = None) -> torch.Tensor:
-        """o_proj(attention) of u ``[B*T, in]`` at the forward's positions ``at``: packed QKV,
-        qk_norm_rope_ with the K/V written into the cache, cached_attention over the slots in use.
-        Chains use the slot of each position, causal by position; a draft tree brings its own
-        slots and what each node sees (:class:`TreeAttention`). ``only_token`` ``[B]``: every
-        token's K/V is written, but only token ``only_token[b]`` of each request attends (a last
-        layer whose other rows nobody reads): returns ``[B, H]``."""
+                       only: "LastTokens | None" = None) -> torch.Tensor:
+        """o_proj(attention) of u (the forward's token rows, ``[B*T, in]`` or packed) at the
+        forward's positions ``at``: packed QKV, qk_norm_rope_ with the K/V written into the cache,
+        cached_attention over the slots in use. Chains use the slot of each position, causal by
+        position; a draft tree brings its own slots and what each node sees (:class:`TreeAttention`).
+        ``only`` (:meth:`CachedPositions.last_tokens`): every token's K/V is written, but only
+        those tokens attend (a last layer whose other rows nobody reads): returns their ``[B, H]``."""
         batch, tokens = at.positions.shape
         qkv = self.qkv(u)
         ops.qk_norm_rope_(qkv, *self.qk_norm_weights(), cos_sin, at.rope_positions, self.heads, self.kv_heads,
                           self.head_dim, eps, True, *cache, at.slots)
-        q = qkv[:, : self.heads * self.head_dim].reshape(batch, tokens, self.heads, self.head_dim)
-        positions, tree_args = at.positions, at.tree_args
-        if only_token is not None:
+        q = qkv[:, : self.heads * self.head_dim]
+        positions = at.positions
+        if only is not None:
             if at.tree_args != (None, None):
-                raise ValueError("Attention.forward_cached: only_token is for chains, not draft trees")
-            pick = (torch.arange(batch, device=q.device), only_token)
-            q, positions = q[pick][:, None], positions[pick][:, None]
-        context = ops.cached_attention(q, *cache, positions, self.head_dim**-0.5, window or 0, *tree_args)
-        return self.o_proj(context.reshape(q.shape[0] * q.shape[1], -1))
+                raise ValueError("Attention.forward_cached: only is for chains, not draft trees")
+            q, positions = q[only.rows], only.positions
+        elif at.token_rows is not None:  # packed tokens: their queries in the [B*T] grid, padding zero
+            q = q.new_zeros(batch * tokens, q.shape[1]).index_copy_(0, at.token_rows, q)
+        q = q.reshape(*positions.shape, self.heads, self.head_dim)
+        context = ops.cached_attention(q, *cache, positions, self.head_dim**-0.5, window or 0, *at.tree_args)
+        context = context.reshape(positions.numel(), -1)
+        if only is None and at.token_rows is not None:
+            context = context[at.token_rows]
+        return self.o_proj(context)
 
 
 class MLP(nn.Module):
@@ -194,6 +201,20 @@ class CachedPositions:
     def tokens(self, grid: torch.Tensor) -> torch.Tensor:
         """The forward's rows of ``grid`` ``[B*T, ...]``: all, or its tokens' when packed."""
         return grid if self.token_rows is None else grid[self.token_rows]
+
+    def last_tokens(self) -> "LastTokens":
+        """Each request's last token (its largest position): its row among the forward's token
+        rows and its position."""
+        batch, tokens = self.positions.shape
+        last = torch.arange(batch, device=self.positions.device) * tokens + self.positions.argmax(dim=1)
+        rows = last if self.packed_row is None else self.packed_row[last]
+        return LastTokens(rows, self.positions.reshape(-1)[last][:, None])
+
+
+@dataclass
+class LastTokens:
+    rows: torch.Tensor  # [B]: rows of the forward's tokens
+    positions: torch.Tensor  # [B, 1]
 
 
 class TreeAttention:

@@ -16,7 +16,7 @@ from ..rope import rope_config
 from ..shipped import cache_root
 from ..models.checkpoint import (CheckpointError, check_tensors, load_tensors, map_tensor, map_tensor_converted,
                                  read_config, resolve_checkpoint, trim_heap)
-from ..models.layers import (MLP, Attention, CachedPositions, RMSNormWeight, TreeAttention, join_checkpoint_parts,
+from ..models.layers import (MLP, Attention, CachedPositions, LastTokens, RMSNormWeight, TreeAttention, join_checkpoint_parts,
                              keep_path, keep_requests, static_caches, static_cos_sin)
 from ..models.linear import Linear, pack_linears
 from .base import Capabilities
@@ -98,6 +98,18 @@ class DecoderLayer(nn.Module):
                            *attn.qk_norm_weights(), *cache, cos_sin, at.positions, at.rope_positions, at.slots,
                            *at.tree_args, attn.heads, attn.kv_heads, attn.head_dim, c.intermediate_size,
                            c.rms_norm_eps, at.token_rows)
+
+    def forward_last_tokens(self, ops, hidden: torch.Tensor, residual: torch.Tensor,
+                            cache: tuple[torch.Tensor, torch.Tensor], cos_sin: torch.Tensor, at: CachedPositions,
+                            only: LastTokens, c: NativeConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer as :meth:`forward_cached` writes every token's K/V, but attends and runs the
+        MLP for the ``only`` tokens: their new (hidden, residual), ``[B, H]`` each (a prefill's
+        last layer, whose other rows nobody reads)."""
+        ops.fused_add_rms_norm_(hidden, residual, self.input_layernorm.weight, c.rms_norm_eps)
+        attended = self.self_attn.forward_cached(ops, hidden, cache, cos_sin, at, c.rms_norm_eps, only=only)
+        residual = residual[only.rows]
+        ops.fused_add_rms_norm_(attended, residual, self.post_attention_layernorm.weight, c.rms_norm_eps)
+        return self.mlp(attended, ops), residual
 
 
 class NativeModel(nn.Module):
@@ -229,10 +241,17 @@ class NativeTarget(nn.Module):
         at = CachedPositions(positions, self.max_length, tree, packed=last_only and not torch.compiler.is_compiling())
         hidden = self.model.embed_tokens(at.tokens(tokens.reshape(-1)))
         residual = torch.zeros_like(hidden)  # layer 0 adds the embeddings to it: residual = them
+        # last_only, unless the final stream is an aux feature: the last layer runs its attention
+        # and MLP for each request's last token only.
+        last = at.last_tokens() if last_only and c.num_hidden_layers not in aux else None
         for i, layer in enumerate(self.model.layers):
             if i in aux:  # the stream entering layer i, copied: the layer updates both parts in place
                 records.append((i, hidden.clone(), residual.clone() if i else None))
-            layer.forward_cached(o, hidden, residual, self.caches[i], self.cos_sin, at, c)
+            if last is not None and i == c.num_hidden_layers - 1:
+                hidden, residual = layer.forward_last_tokens(o, hidden, residual, self.caches[i], self.cos_sin, at,
+                                                             last, c)
+            else:
+                layer.forward_cached(o, hidden, residual, self.caches[i], self.cos_sin, at, c)
         if c.num_hidden_layers in aux:
             records.append((c.num_hidden_layers, hidden, residual))
             z = o.rms_norm(residual + hidden, self.model.norm.weight, c.rms_norm_eps)
@@ -240,9 +259,10 @@ class NativeTarget(nn.Module):
             o.fused_add_rms_norm_(hidden, residual, self.model.norm.weight, c.rms_norm_eps)
             z = hidden
         self.capture.store(records, at.packed_row)
+        if last is not None:
+            return self.lm_head(z)
         if last_only:
-            last = torch.arange(B, device=z.device) * T + positions.argmax(dim=1)
-            return self.lm_head(z[last if at.packed_row is None else at.packed_row[last]])
+            return self.lm_head(z[at.last_tokens().rows])
         return self.lm_head(z.view(B, T, -1))
 
     @torch.no_grad()
