@@ -1,15 +1,15 @@
 """Decode steps without per-op overhead: a whole speculative step (draft, verify forward,
-verification, drafter prefill) and the models' own forwards (prompt prefill, plain decoding)
-compiled as static-shape graphs (``fullgraph=True, dynamic=False``), the custom ops inside
+verification, drafter prefill) and the target's forward for plain decoding steps compiled as
+static-shape graphs (``fullgraph=True, dynamic=False``), the custom ops inside
 them through their fake kernels; inductor on CPU, CUDA graphs (``mode="reduce-overhead"``) on
 CUDA.
 
 The caller's models are left as they are (calling one still runs it eagerly): the compiled
 forwards are separate callables, kept with each model so that every generate call with the same
 model reuses their graphs.
-Shapes are fixed per ``generate`` call: batch, drafts per step, and lengths rounded up to a
-multiple of :data:`BUCKET` (the cache, and the prompt prefill, padded with position -1), so
-another prompt in the same bucket reuses the graphs instead of recompiling.
+Shapes are fixed per ``generate`` call: batch, drafts per step, and the cache length rounded up
+to a multiple of :data:`BUCKET`, so another prompt in the same bucket reuses the graphs instead
+of recompiling. (The prompt prefill runs eagerly: see decode.py.)
 """
 
 import contextlib

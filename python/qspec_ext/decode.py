@@ -7,8 +7,9 @@ keeps the accepted path -> gather_aux_hidden of the accepted rows -> drafter.pre
 those pairs (which also rewinds the drafter's cache); the target's cache is rewound the
 same way, by the next step's positions. All of that is one device-side function
 (:meth:`SpeculativeDecoder._step`); the only host synchronization per step reads the accepted
-counts, which stopping needs. ``compile=True`` runs that step as one static-shape graph, and
-the prompt prefill through the models' compiled forwards (compiled.py).
+counts, which stopping needs. ``compile=True`` runs that step as one static-shape graph
+(compiled.py); the prompt prefill, once per batch, runs eagerly: its tokens packed, without the
+padding of shorter prompts, which a static-shape graph would compute.
 """
 
 import time
@@ -150,8 +151,8 @@ def _nothing_to_generate(prompts: list[list[int]]) -> "GenerateResult":
     return GenerateResult([[] for _ in prompts], SpecDecodeStats())
 
 
-def _prefill_inputs(prompts: list[list[int]], device, compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    longest = bucketed(max(len(p) for p in prompts), compiled)
+def _prefill_inputs(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    longest = max(len(p) for p in prompts)
     tokens = torch.zeros(len(prompts), longest, dtype=torch.long, device=device)
     positions = torch.full_like(tokens, -1)
     for b, p in enumerate(prompts):
@@ -223,7 +224,8 @@ def generate_plain(target, prompts: list[list[int]], max_new_tokens: int, temper
     """Ordinary decoding with the target alone (one forward per token): the baseline. Each
     request stops at max_new_tokens or after any of the ``eos_token_id`` ids; ``on_tokens``
     streams each request's tokens as they come.
-    ``compile``: the target's forward runs as static-shape graphs (compiled.py)."""
+    ``compile``: the decode steps' target forward runs as static-shape graphs (compiled.py); the
+    prompt prefill runs eagerly, packed."""
     if compile:
         check_compilable("generate_plain", target)
     prompts, max_length, stop_ids = _check_call("generate_plain", target, prompts, max_new_tokens, 1, max_length,
@@ -244,8 +246,8 @@ def _generate_plain(target, prompts, max_new_tokens, temperature, top_k, top_p, 
     target.setup(batch, bucketed(max_length, compile))
     sampler = _Sampler(batch, temperature, top_k, top_p, seed, device)
     stops = _StopIds(stop_ids, device)
-    tokens, positions = _prefill_inputs(prompts, device, compile)
-    next_token = sampler.pick(forward(tokens, positions, last_only=True))
+    tokens, positions = _prefill_inputs(prompts, device)
+    next_token = sampler.pick(target(tokens, positions, last_only=True))
     generated: list[list[int]] = [[] for _ in prompts]
     new, stop = _read_tokens(next_token[:, None], stops)
     done = [_finish(g, n, max_new_tokens, s, on_tokens, b) for b, (g, n, s) in enumerate(zip(generated, new, stop))]
@@ -279,8 +281,8 @@ class SpeculativeDecoder:
     ``topk = 1`` drafts a chain of ``num_speculative_tokens`` (one forward each, or one forward
     for all with a P-EAGLE drafter); ``topk > 1`` drafts an EAGLE-2 tree of that depth and
     verifies its ``num_draft_tokens`` best nodes (SGLang's steps / eagle topk / draft tokens).
-    ``compile``: both models' forwards run as static-shape graphs (compiled.py); the models
-    themselves stay eager for other callers."""
+    ``compile``: each decode step runs as one static-shape graph (compiled.py), the prompt
+    prefill eagerly, packed; the models themselves stay eager for other callers."""
 
     def __init__(self, target, drafter, num_speculative_tokens: int = 3, max_length: int | None = None,
                  topk: int = 1, num_draft_tokens: int | None = None, compile: bool = False):
@@ -292,12 +294,10 @@ class SpeculativeDecoder:
         self.drafting = make_drafting(target, drafter, num_speculative_tokens, topk, num_draft_tokens)
         self.max_length = max_length or target.config.max_position_embeddings
         self.compiled = compile
-        self.step, self.target_forward, self.drafter_prefill = self._step, target, drafter.prefill
+        self.step = self._step
         if compile:
             check_compilable("SpeculativeDecoder", target)
             self.step = compiled_step(self._step, drafter.device, [target, drafter])
-            self.target_forward = compiled_method(target, "forward")
-            self.drafter_prefill = compiled_method(drafter, "prefill")
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
@@ -336,8 +336,8 @@ class SpeculativeDecoder:
         # Prefill: the target reads the prompts and picks the first token; the drafter reads
         # the pairs (feature of prompt token t, prompt token t+1 or that first token). The
         # drafter's part counts as decode time (after first_token_time): plain decoding has none.
-        tokens, positions = _prefill_inputs(prompts, device, self.compiled)
-        first = sampler.pick(self.target_forward(tokens, positions, last_only=True))
+        tokens, positions = _prefill_inputs(prompts, device)
+        first = sampler.pick(target(tokens, positions, last_only=True))
         generated: list[list[int]] = [[] for _ in prompts]
         new, stop = _read_tokens(first[:, None], stops)
         done = [_finish(g, n, max_new_tokens, s, on_tokens, b) for b, (g, n, s) in enumerate(zip(generated, new, stop))]
@@ -347,7 +347,7 @@ class SpeculativeDecoder:
         pair_tokens[torch.arange(batch, device=device), lengths - 1] = first
         rows = torch.where(positions >= 0, torch.arange(tokens.numel(), device=device).view_as(tokens), -1)
         fc_input = target.capture.gather(rows.reshape(-1), norm_mode, norm_weight, eps)
-        self.drafter_prefill(fc_input.view(batch, tokens.shape[1], -1), pair_tokens, positions, normalized=True,
+        drafter.prefill(fc_input.view(batch, tokens.shape[1], -1), pair_tokens, positions, normalized=True,
                              last_only=True)
 
         last, position = first, lengths  # the newest token and its position (not yet in the target's cache)
