@@ -100,17 +100,23 @@ def packed_tokens(args: dict, rows: list[int]) -> dict:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_tokens_match_their_rows_of_the_grid(device, dtype):
     """token_rows (a prefill without its padding): the tokens' new stream and the caches are the
-    grid call's, for the op and for the reference; the padding row (grid row 5) is not run."""
+    grid call's, for the op and for the reference; the padding row (grid row 2: the first request
+    one token shorter) is not run."""
     args = layer_args(device, dtype)
+    positions = torch.tensor([[5, 6, -1], [9, 10, 11]], device=device)
+    start = torch.arange(2, device=device)[:, None] * LENGTH
+    args.update(positions=positions, rope_positions=positions.reshape(-1).clamp(min=0),
+                slots=torch.where(positions >= 0, start + positions, -1).reshape(-1))
     grid, grid_reference = run_both(args)
-    packed = packed_tokens(args, [0, 1, 2, 3, 4])
+    rows = [0, 1, 3, 4, 5]
+    packed = packed_tokens(args, rows)
     got, expected = cloned(packed), cloned(packed)
     with torch.no_grad():
         ops.decoder_layer_(**got)
         reference.decoder_layer_(**expected)
     for name in ("hidden", "residual"):
-        assert_close(got[name], grid[name][:5])
-        assert_close(expected[name], grid_reference[name][:5])
+        assert_close(got[name], grid[name][rows])
+        assert_close(expected[name], grid_reference[name][rows])
     for name in ("k_cache", "v_cache"):
         assert_close(got[name], grid[name])
         assert_close(expected[name], grid_reference[name])
