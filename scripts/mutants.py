@@ -347,9 +347,9 @@ MUTANTS = [
     Mutant("attention_running_sum_not_rescaled", "csrc/cpu/attention.cpp",
            "row[1] *= correction;", "row[1] *= 1.f;",
            ("tests/test_attention.py::test_chains_match_the_reference",)),
-    # The query-lane kernel (bf16, on a CPU with AVX512-BF16).
+    # The query-lane kernels (bf16 on a CPU with AVX512-BF16; the rescaling shared with fp32).
     Mutant("attention_lanes_accumulator_not_rescaled", "csrc/cpu/attention.cpp",
-           "        if (moved)\n", "        if (false)\n",
+           "  if (moved)\n", "  if (false)\n",
            ("tests/test_attention.py::test_chains_match_the_reference",)),
     Mutant("attention_lanes_values_of_keys_no_query_sees_read", "csrc/cpu/attention.cpp",
            "const uint16_t* even = seen_by_any[j] ? values + j * stride : nullptr;",
