@@ -1,13 +1,14 @@
 // CPU kernel of cached decode attention. Work items are (request, key split): an item reads its
 // slice of the request's used key slots once, in blocks of kKeyBlock slots (each slot whole: all
-// KV heads, one contiguous row, so the hardware streams it), for all the request's queries (the
-// T tokens x the query heads), with an online softmax in fp32. (Register tiles of two queries
-// sharing each key and value they load measured slower: benchmarks/HISTORY.md.) Where keys
-// were split, a second pass merges the splits' partial (max, sum, accumulator) states into the
-// output; unsplit, each item writes its own. An item's keys are attended by one of two kernels:
-// attend_keys (any dtype and CPU: each query row on its own, 8-lane vectors over head_dim) or, for
-// bf16 calls with enough queries per KV head on a CPU with AVX512-BF16, attend_keys_lanes (16
-// queries in the lanes of a register, vdpbf16ps).
+// KV heads, one contiguous row), for all the request's queries (the T tokens x the query heads),
+// with an online softmax in fp32, asking for the next block's slots while it computes one.
+// (Register tiles of two queries sharing each key and value they load measured slower:
+// benchmarks/HISTORY.md.) Where keys were split, a second pass merges the splits' partial (max,
+// sum, accumulator) states into the output; unsplit, each item writes its own. An item's keys are
+// attended by one of two kernels: attend_keys (any dtype and CPU: each query row on its own, 8-lane
+// vectors over head_dim) or, for fp32 and bf16 calls with enough queries per KV head on a CPU with
+// AVX-512 (bf16: AVX512-BF16), attend_keys_lanes (16 queries in the lanes of a register: FMAs,
+// vdpbf16ps).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -299,8 +300,9 @@ void merge_splits(const AttentionParams<T>& p, int64_t b, int64_t h, int64_t spl
 // numerators of two keys as a bf16 pair per lane, the two keys' values interleaved into pairs
 // (FlashAttention's bf16 P; the running sum stays in fp32).
 constexpr int64_t kLanes = 16;
-// Fewest queries per KV head for the lane kernels: below, the other kernel measured faster.
-constexpr int64_t kMinLaneQueriesFloat = 8, kMinLaneQueriesBf16 = 8;
+// Fewest queries per KV head for the lane kernels: below, the other kernel measured faster (fp32:
+// 3 and 6 queries slower, 9 faster; bf16: 3 slower, 12 faster).
+constexpr int64_t kMinLaneQueries = 8;
 
 QSPEC_TARGET_AVX512 QSPEC_INLINE __m512 exp16(__m512 x) {
   // vec_exp's steps on 16 lanes: 0 below -87 (and for -inf), saturating at 88.3.
@@ -637,9 +639,9 @@ template <typename T>
 bool use_lanes(const AttentionShape& s) {
 #if QSPEC_BF16_DOT
   const int64_t queries = s.tokens * (s.heads_q / s.heads_kv);
-  if constexpr (std::is_same_v<T, float>) return cpu_avx512() && queries >= kMinLaneQueriesFloat;
+  if constexpr (std::is_same_v<T, float>) return cpu_avx512() && queries >= kMinLaneQueries;
   if constexpr (std::is_same_v<T, c10::BFloat16>)
-    return cpu_bf16_dot() && s.head_dim % 2 == 0 && queries >= kMinLaneQueriesBf16;
+    return cpu_bf16_dot() && s.head_dim % 2 == 0 && queries >= kMinLaneQueries;
 #endif
   return false;
 }

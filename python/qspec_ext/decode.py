@@ -348,7 +348,7 @@ class SpeculativeDecoder:
         rows = torch.where(positions >= 0, torch.arange(tokens.numel(), device=device).view_as(tokens), -1)
         fc_input = target.capture.gather(rows.reshape(-1), norm_mode, norm_weight, eps)
         drafter.prefill(fc_input.view(batch, tokens.shape[1], -1), pair_tokens, positions, normalized=True,
-                             last_only=True)
+                        last_only=True)
 
         last, position = first, lengths  # the newest token and its position (not yet in the target's cache)
         position_host = [len(p) for p in prompts]  # per request

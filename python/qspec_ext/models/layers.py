@@ -213,6 +213,8 @@ class CachedPositions:
 
 @dataclass
 class LastTokens:
+    """Each request's last token in a forward (:meth:`CachedPositions.last_tokens`)."""
+
     rows: torch.Tensor  # [B]: rows of the forward's tokens
     positions: torch.Tensor  # [B, 1]
 
