@@ -213,28 +213,33 @@ void panel_rows(const uint16_t* x, int64_t x_stride, const uint16_t* packed, int
 }
 #endif
 
+// Whether a switch (an environment variable) is set to 0: the kernels it names are not used, so
+// the others run and are tested on this CPU.
 bool turned_off(const char* variable) {
   const char* setting = std::getenv(variable);
   return setting != nullptr && std::string_view(setting) == "0";
 }
 
-// AVX-512 (F, BW, VL) on this CPU, unless QSPEC_CPU_AVX512=0 (to run and test the other kernels on it).
-bool detect_avx512() {
 #if QSPEC_BF16_DOT
-  if (turned_off("QSPEC_CPU_AVX512")) return false;
+bool cpu_has_avx512_f_bw_vl() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+}
+#endif
+
+// AVX-512 (F, BW, VL) on this CPU, unless QSPEC_CPU_AVX512=0.
+bool detect_avx512() {
+#if QSPEC_BF16_DOT
+  return !turned_off("QSPEC_CPU_AVX512") && cpu_has_avx512_f_bw_vl();
 #else
   return false;
 #endif
 }
 
-// AVX512-BF16 on this CPU, unless QSPEC_CPU_BF16_DOT=0 (to run and test the widening path on it).
+// AVX512-BF16 (with AVX-512 F, BW, VL) on this CPU, unless QSPEC_CPU_BF16_DOT=0.
 bool detect_bf16_dot() {
 #if QSPEC_BF16_DOT
-  if (turned_off("QSPEC_CPU_BF16_DOT")) return false;
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  return !turned_off("QSPEC_CPU_BF16_DOT") && cpu_has_avx512_f_bw_vl() && __builtin_cpu_supports("avx512bf16");
 #else
   return false;
 #endif
