@@ -46,7 +46,8 @@ void decoder_layer(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& i
                    const at::Tensor& positions, const at::Tensor& rope_positions, const at::Tensor& slots,
                    const std::optional<at::Tensor>& tree_start, const std::optional<at::Tensor>& tree_seen,
                    int64_t num_heads_q, int64_t num_heads_kv, int64_t head_dim, int64_t intermediate_size,
-                   double eps, const std::optional<at::Tensor>& token_rows) {
+                   double eps, const std::optional<at::Tensor>& token_rows,
+                   const std::optional<at::Tensor>& output_rows, const std::optional<at::Tensor>& output_positions) {
   static const auto fused_add_rms_norm =
       op_handle<void(at::Tensor&, at::Tensor&, const at::Tensor&, double)>("qspec_ext::fused_add_rms_norm_");
   static const auto qk_norm_rope = op_handle<void(
@@ -82,6 +83,29 @@ void decoder_layer(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& i
                 "must be [batch, tokens] with batch * tokens = hidden's ", hidden.size(0), " rows, got ",
                 positions.sizes());
   }
+  QSPEC_CHECK(output_rows.has_value() == output_positions.has_value(), kOp, output_rows ? "output_positions" : "output_rows",
+              "must be given with ", output_rows ? "output_rows" : "output_positions", ", got None");
+  if (output_rows) {
+    QSPEC_CHECK(!tree_start, kOp, "output_rows", "is for chains, not draft trees (tree_start given)");
+    QSPEC_CHECK(output_rows->dim() == 1 && output_rows->scalar_type() == at::kLong &&
+                    output_rows->device() == hidden.device(),
+                kOp, "output_rows", "must be int64 [rows] on ", hidden.device(), ", got ", output_rows->scalar_type(),
+                " ", output_rows->sizes(), " on ", output_rows->device());
+    QSPEC_CHECK(output_positions->dim() == 2 && output_positions->size(0) == positions.size(0) &&
+                    output_positions->numel() == output_rows->numel() &&
+                    output_positions->scalar_type() == positions.scalar_type(),
+                kOp, "output_positions", "must be ", positions.scalar_type(), " [", positions.size(0), ", ",
+                positions.size(0) ? output_rows->numel() / positions.size(0) : 0, "] (output_rows' ",
+                output_rows->numel(), " tokens in ", positions.size(0), " requests), got ",
+                output_positions->scalar_type(), " ", output_positions->sizes());
+    if (output_rows->is_cpu()) {
+      const at::Tensor rows = output_rows->contiguous();
+      const int64_t* row = rows.const_data_ptr<int64_t>();
+      for (int64_t i = 0; i < rows.numel(); ++i)
+        QSPEC_CHECK(row[i] >= 0 && row[i] < hidden.size(0), kOp, "output_rows", "must be rows of hidden, in [0, ",
+                    hidden.size(0), "), got ", row[i], " at index ", i);
+    }
+  }
   for (const auto& [name, size] : {std::pair<std::string_view, int64_t>{"num_heads_q", num_heads_q},
                                     {"num_heads_kv", num_heads_kv}, {"head_dim", head_dim},
                                     {"intermediate_size", intermediate_size}})
@@ -92,19 +116,29 @@ void decoder_layer(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& i
   at::Tensor qkv = project("qkv_weight", hidden, qkv_weight, q_width + 2 * num_heads_kv * head_dim);
   qk_norm_rope.call(qkv, q_norm, k_norm, cos_sin_cache, rope_positions, num_heads_q, num_heads_kv, head_dim, eps,
                     true, k_cache, v_cache, slots);
-  // Packed tokens (token_rows): their queries go to their rows of the [B, T] grid (padding rows
-  // zero, position -1: attention leaves them), and their contexts come back.
+  // output_rows: only these tokens attend (at output_positions) and run the MLP. Else packed
+  // tokens (token_rows): their queries go to their rows of the [B, T] grid (padding rows zero,
+  // position -1: attention leaves them), and their contexts come back.
   at::Tensor query = qkv.narrow(1, 0, q_width);
-  if (token_rows) query = at::zeros({grid, q_width}, query.options()).index_copy_(0, *token_rows, query);
+  const at::Tensor& query_positions = output_rows ? *output_positions : positions;
+  if (output_rows)
+    query = query.index_select(0, *output_rows);
+  else if (token_rows)
+    query = at::zeros({grid, q_width}, query.options()).index_copy_(0, *token_rows, query);
   const at::Tensor context = cached_attention.call(
-      query.view({positions.size(0), positions.size(1), num_heads_q, head_dim}), k_cache, v_cache, positions,
-      std::pow(double(head_dim), -0.5), 0, tree_start, tree_seen);
-  at::Tensor context_rows = context.view({grid, q_width});
-  if (token_rows) context_rows = context_rows.index_select(0, *token_rows);
+      query.view({query_positions.size(0), query_positions.size(1), num_heads_q, head_dim}), k_cache, v_cache,
+      query_positions, std::pow(double(head_dim), -0.5), 0, tree_start, tree_seen);
+  at::Tensor context_rows = context.view({-1, q_width});
+  if (token_rows && !output_rows) context_rows = context_rows.index_select(0, *token_rows);
   at::Tensor attended = project("o_weight", context_rows, o_weight, width);
-  fused_add_rms_norm.call(attended, residual, post_norm, eps);
-  const at::Tensor gated = silu_and_mul.call(project("gate_up_weight", attended, gate_up_weight, 2 * intermediate_size));
-  hidden.copy_(project("down_weight", gated, down_weight, width));
+  at::Tensor stream = output_rows ? residual.index_select(0, *output_rows) : residual;
+  fused_add_rms_norm.call(attended, stream, post_norm, eps);
+  const at::Tensor out = project("down_weight", silu_and_mul.call(project("gate_up_weight", attended, gate_up_weight,
+                                                                          2 * intermediate_size)),
+                                 down_weight, width);
+  if (!output_rows) return void(hidden.copy_(out));
+  residual.index_copy_(0, *output_rows, stream);
+  hidden.index_copy_(0, *output_rows, out);
 }
 
 }  // namespace

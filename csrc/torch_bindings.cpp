@@ -74,10 +74,14 @@ TORCH_LIBRARY(qspec_ext, m) {
   // attention of its norm (QKV, qk_norm_rope_ into the caches at slots, cached_attention, o), residual +=
   // that, hidden = the gated MLP of its norm. Projection weights [N, K], or packed (CPU). hidden holds
   // the rows of the [B, T] grid of positions, or with token_rows only those rows (packed tokens).
+  // output_rows (with output_positions [B, F], their positions): only these rows of hidden attend and
+  // run the MLP (a prefill's last tokens); every row's K/V is written, the other rows of hidden and
+  // residual are left as the input norm and the stream entering the attention.
   m.def(
       "decoder_layer_(Tensor(a!) hidden, Tensor(b!) residual, Tensor input_norm, Tensor post_norm, "
       "Tensor qkv_weight, Tensor o_weight, Tensor gate_up_weight, Tensor down_weight, Tensor? q_norm, "
       "Tensor? k_norm, Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor cos_sin_cache, Tensor positions, "
       "Tensor rope_positions, Tensor slots, Tensor? tree_start, Tensor? tree_seen, int num_heads_q, "
-      "int num_heads_kv, int head_dim, int intermediate_size, float eps, Tensor? token_rows=None) -> ()");
+      "int num_heads_kv, int head_dim, int intermediate_size, float eps, Tensor? token_rows=None, Tensor? output_rows=None, "
+      "Tensor? output_positions=None) -> ()");
 }

@@ -122,11 +122,47 @@ def test_packed_tokens_match_their_rows_of_the_grid(device, dtype):
         assert_close(expected[name], grid_reference[name])
 
 
+def output_rows_only(args: dict, rows: list[int], positions: list[int]) -> dict:
+    """The same call, finishing only hidden's rows ``rows`` (one per request) at ``positions``."""
+    device = args["hidden"].device
+    return dict(cloned(args), token_rows=args.get("token_rows"), output_rows=torch.tensor(rows, device=device),
+                output_positions=torch.tensor(positions, device=device)[:, None])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("packed", [False, True])
+def test_output_rows_finish_only_those_rows(device, dtype, packed):
+    """output_rows (a prefill's last layer): those rows of hidden and residual are the full call's,
+    the caches too; the other rows stay half-way (hidden the input norm, residual the stream), for
+    the op and the reference, on the grid and on packed tokens."""
+    args = layer_args(device, dtype)
+    full, full_reference = run_both(args)
+    # Each request's last token: grid rows 2 and 4 (the second request's last is padding), or
+    # packed rows 2 and 4 of grid rows [0, 1, 2, 3, 4].
+    call = packed_tokens(args, [0, 1, 2, 3, 4]) if packed else args
+    only = output_rows_only(call, [2, 4], [7, 10])
+    got, expected = cloned(only), cloned(only)
+    with torch.no_grad():
+        ops.decoder_layer_(**got)
+        reference.decoder_layer_(**expected)
+    for result, whole in ((got, full), (expected, full_reference)):
+        for name in ("hidden", "residual"):
+            assert_close(result[name][[2, 4]], whole[name][[2, 4]])
+        for name in ("k_cache", "v_cache"):
+            assert_close(result[name], whole[name])
+        stream = (call["hidden"].float() + call["residual"].float()).to(dtype)
+        others = [0, 1, 3]
+        assert_close(result["residual"][others], stream[others])
+        assert_close(result["hidden"][others], reference.rms_norm(stream, call["input_norm"], 1e-6)[others])
+
+
 def test_opcheck_and_compile(device):
     args = layer_args(device, torch.float32)
     torch.library.opcheck(torch.ops.qspec_ext.decoder_layer_.default, tuple(cloned(args).values()))
     torch.library.opcheck(torch.ops.qspec_ext.decoder_layer_.default,
                           tuple(packed_tokens(args, [0, 2, 3, 4]).values()))
+    torch.library.opcheck(torch.ops.qspec_ext.decoder_layer_.default,
+                          tuple(output_rows_only(args, [2, 4], [7, 10]).values()))
     if device == "cpu":
         packed = layer_args(device, torch.bfloat16, packed=True)
         torch.library.opcheck(torch.ops.qspec_ext.decoder_layer_.default, tuple(cloned(packed).values()))
@@ -169,3 +205,28 @@ def test_bad_token_rows_name_the_op_and_the_argument(rows, message):
     with pytest.raises(RuntimeError, match="decoder_layer_") as error:
         ops.decoder_layer_(**dict(args, token_rows=rows))
     assert message in str(error.value)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(output_positions=None), "argument 'output_positions' must be given with output_rows, got None"),
+    (dict(output_rows=None), "argument 'output_rows' must be given with output_positions, got None"),
+    (dict(output_rows=torch.tensor([2, 4], dtype=torch.int32)), "argument 'output_rows' must be int64 [rows] on cpu, "
+                                                                "got Int [2]"),
+    (dict(output_rows=torch.tensor([2, 6])), "argument 'output_rows' must be rows of hidden, in [0, 6), got 6 at "
+                                             "index 1"),
+    (dict(output_rows=torch.tensor([-1, 4])), "in [0, 6), got -1 at index 0"),
+    (dict(output_positions=torch.tensor([[7, 10]])), "argument 'output_positions' must be Long [2, 1] (output_rows' 2 "
+                                                     "tokens in 2 requests), got Long [1, 2]"),
+    (dict(output_positions=torch.tensor([[7], [10]], dtype=torch.int32)), "got Int [2, 1]"),
+])
+def test_bad_output_rows_name_the_op_and_the_argument(change, message):
+    args = dict(output_rows_only(layer_args("cpu", torch.float32), [2, 4], [7, 10]), **change)
+    with pytest.raises(RuntimeError, match="decoder_layer_") as error:
+        ops.decoder_layer_(**args)
+    assert message in str(error.value)
+
+
+def test_output_rows_are_for_chains():
+    args = output_rows_only(layer_args("cpu", torch.float32, tree=True), [2, 4], [7, 10])
+    with pytest.raises(RuntimeError, match="argument 'output_rows' is for chains, not draft trees"):
+        ops.decoder_layer_(**args)

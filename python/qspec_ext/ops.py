@@ -295,6 +295,8 @@ def decoder_layer_(
     intermediate_size: int,
     eps: float,
     token_rows: torch.Tensor | None = None,
+    output_rows: torch.Tensor | None = None,
+    output_positions: torch.Tensor | None = None,
 ) -> None:
     """One pre-norm decoder layer (Llama / Qwen3: the native target's), in place, composed of the
     ops above in one call: ``residual += hidden``; ``u = RMSNorm(residual) * input_norm``;
@@ -308,11 +310,15 @@ def decoder_layer_(
     (``models.linear.pack_weight``, CPU: through ``packed_linear``). ``token_rows`` (int64 ``[N]``,
     increasing): hidden, residual, rope_positions and slots hold only these rows of the ``[B*T]``
     grid of positions (packed tokens: a prefill's padding costs nothing); the queries are placed
-    in the grid for the attention, their contexts taken back.
+    in the grid for the attention, their contexts taken back. ``output_rows`` (int64 ``[R]``, rows of
+    hidden) with ``output_positions`` (``[B, R / B]``, their positions; chains, not trees): every
+    row's K/V is written, but only these rows attend and run the MLP (a prefill's last tokens);
+    hidden's and residual's other rows are left as ``u`` and the stream entering the attention.
     """
     _ops.decoder_layer_(hidden, residual, input_norm, post_norm, qkv_weight, o_weight, gate_up_weight, down_weight,
                         q_norm, k_norm, k_cache, v_cache, cos_sin_cache, positions, rope_positions, slots, tree_start,
-                        tree_seen, num_heads_q, num_heads_kv, head_dim, intermediate_size, eps, token_rows)
+                        tree_seen, num_heads_q, num_heads_kv, head_dim, intermediate_size, eps, token_rows,
+                        output_rows, output_positions)
 
 
 @torch.library.register_fake("qspec_ext::cached_attention")

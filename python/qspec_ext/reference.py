@@ -323,7 +323,8 @@ def verify_tree(draft_ids, parents, target_logits, temperature=None, seed=None, 
 
 def decoder_layer_(hidden, residual, input_norm, post_norm, qkv_weight, o_weight, gate_up_weight, down_weight,
                    q_norm, k_norm, k_cache, v_cache, cos_sin_cache, positions, rope_positions, slots, tree_start,
-                   tree_seen, num_heads_q, num_heads_kv, head_dim, intermediate_size, eps, token_rows=None) -> None:
+                   tree_seen, num_heads_q, num_heads_kv, head_dim, intermediate_size, eps, token_rows=None,
+                   output_rows=None, output_positions=None) -> None:
     """One pre-norm decoder layer in place (see ops.decoder_layer_), from the reference ops."""
     batch, tokens = positions.shape
     width = hidden.shape[1]
@@ -332,14 +333,24 @@ def decoder_layer_(hidden, residual, input_norm, post_norm, qkv_weight, o_weight
     qk_norm_rope_(qkv, q_norm, k_norm, cos_sin_cache, rope_positions, num_heads_q, num_heads_kv, head_dim, eps, True,
                   k_cache, v_cache, slots)
     query = qkv[:, : num_heads_q * head_dim]
-    if token_rows is not None:  # packed tokens: their rows of the [B*T] grid, the others zero
+    if output_rows is not None:  # only these tokens go on
+        query, positions = query[output_rows], output_positions
+    elif token_rows is not None:  # packed tokens: their rows of the [B*T] grid, the others zero
         grid = query.new_zeros(batch * tokens, query.shape[1])
         grid[token_rows] = query
         query = grid
-    query = query.reshape(batch, tokens, num_heads_q, head_dim)
+    query = query.reshape(*positions.shape, num_heads_q, head_dim)
     context = cached_attention(query, k_cache, v_cache, positions, head_dim**-0.5, 0, tree_start, tree_seen)
-    context = context.reshape(batch * tokens, -1)
-    attended = project(context if token_rows is None else context[token_rows], o_weight, width)
-    fused_add_rms_norm_(attended, residual, post_norm, eps)
+    context = context.reshape(positions.numel(), -1)
+    if output_rows is None and token_rows is not None:
+        context = context[token_rows]
+    attended = project(context, o_weight, width)
+    stream = residual if output_rows is None else residual[output_rows]
+    fused_add_rms_norm_(attended, stream, post_norm, eps)
     gated = silu_and_mul(project(attended, gate_up_weight, 2 * intermediate_size))
-    hidden.copy_(project(gated, down_weight, width))
+    out = project(gated, down_weight, width)
+    if output_rows is None:
+        hidden.copy_(out)
+    else:
+        residual[output_rows] = stream
+        hidden[output_rows] = out

@@ -88,28 +88,19 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(c.hidden_size, c.intermediate_size)
 
     def forward_cached(self, ops, hidden: torch.Tensor, residual: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
-                       cos_sin: torch.Tensor, at: CachedPositions, c: NativeConfig) -> None:
+                       cos_sin: torch.Tensor, at: CachedPositions, c: NativeConfig,
+                       only: LastTokens | None = None) -> None:
         """In place on the stream ``hidden + residual`` ``[B*T, H]`` (its two parts updated), the
-        layer's K/V written into ``cache`` at the forward's positions ``at``: ``ops.decoder_layer_``."""
+        layer's K/V written into ``cache`` at the forward's positions ``at``: ``ops.decoder_layer_``.
+        ``only``: every token's K/V is written, but only the ``only`` rows attend and run the MLP
+        (a prefill's last layer: nobody reads the other rows, left half-way)."""
         attn, mlp = self.self_attn, self.mlp
         ops.decoder_layer_(hidden, residual, self.input_layernorm.weight, self.post_attention_layernorm.weight,
                            attn.qkv_proj.inference_weight(hidden), attn.o_proj.inference_weight(hidden),
                            mlp.gate_up_proj.inference_weight(hidden), mlp.down_proj.inference_weight(hidden),
                            *attn.qk_norm_weights(), *cache, cos_sin, at.positions, at.rope_positions, at.slots,
                            *at.tree_args, attn.heads, attn.kv_heads, attn.head_dim, c.intermediate_size,
-                           c.rms_norm_eps, at.token_rows)
-
-    def forward_last_tokens(self, ops, hidden: torch.Tensor, residual: torch.Tensor,
-                            cache: tuple[torch.Tensor, torch.Tensor], cos_sin: torch.Tensor, at: CachedPositions,
-                            only: LastTokens, c: NativeConfig) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer as :meth:`forward_cached` writes every token's K/V, but attends and runs the
-        MLP for the ``only`` tokens: their new (hidden, residual), ``[B, H]`` each (a prefill's
-        last layer, whose other rows nobody reads)."""
-        ops.fused_add_rms_norm_(hidden, residual, self.input_layernorm.weight, c.rms_norm_eps)
-        attended = self.self_attn.forward_cached(ops, hidden, cache, cos_sin, at, c.rms_norm_eps, only=only)
-        residual = residual[only.rows]
-        ops.fused_add_rms_norm_(attended, residual, self.post_attention_layernorm.weight, c.rms_norm_eps)
-        return self.mlp(attended, ops), residual
+                           c.rms_norm_eps, at.token_rows, *((only.rows, only.positions) if only else (None, None)))
 
 
 class NativeModel(nn.Module):
@@ -247,11 +238,10 @@ class NativeTarget(nn.Module):
         for i, layer in enumerate(self.model.layers):
             if i in aux:  # the stream entering layer i, copied: the layer updates both parts in place
                 records.append((i, hidden.clone(), residual.clone() if i else None))
-            if last is not None and i == c.num_hidden_layers - 1:
-                hidden, residual = layer.forward_last_tokens(o, hidden, residual, self.caches[i], self.cos_sin, at,
-                                                             last, c)
-            else:
-                layer.forward_cached(o, hidden, residual, self.caches[i], self.cos_sin, at, c)
+            layer.forward_cached(o, hidden, residual, self.caches[i], self.cos_sin, at, c,
+                                 only=last if i == c.num_hidden_layers - 1 else None)
+        if last is not None:
+            hidden, residual = hidden[last.rows], residual[last.rows]
         if c.num_hidden_layers in aux:
             records.append((c.num_hidden_layers, hidden, residual))
             z = o.rms_norm(residual + hidden, self.model.norm.weight, c.rms_norm_eps)
