@@ -67,17 +67,30 @@ def test_chains_match_the_reference(device, dtype, heads_q, heads_kv, head_dim, 
     check_against_reference(inputs)
 
 
+# Queries per KV head (tokens x heads_q / heads_kv): 16 and 20 take the CPU's query-lane kernel, 3
+# and 6 the grouped one (AVX-512).
 @pytest.mark.parametrize("window", [1, 5, 64])
-def test_a_sliding_window_matches_the_reference(device, window):
-    check_against_reference(attention_inputs(3, 4, 8, 2, 64, 300, torch.float32, device), window=window)
+@pytest.mark.parametrize("tokens,heads_q", [(4, 8), (1, 6)])
+def test_a_sliding_window_matches_the_reference(device, window, tokens, heads_q):
+    check_against_reference(attention_inputs(3, tokens, heads_q, 2, 64, 300, torch.float32, device), window=window)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scratch", [1, 6, 24])
-def test_draft_trees_match_the_reference(device, dtype, scratch):
-    inputs = attention_inputs(3, 5, 8, 2, 64, 160, dtype, device, scratch=scratch)
+@pytest.mark.parametrize("tokens,heads_q", [(5, 8), (2, 6)])
+def test_draft_trees_match_the_reference(device, dtype, scratch, tokens, heads_q):
+    inputs = attention_inputs(3, tokens, heads_q, 2, 64, 160, dtype, device, scratch=scratch)
     got = check_against_reference(inputs)
     assert (got[1] == 0).all()  # the inactive request
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens,heads_q,heads_kv", [(1, 7, 1), (2, 2, 1), (1, 2, 2), (3, 2, 1)])
+@pytest.mark.parametrize("head_dim", [16, 80, 256])
+def test_decode_queries_match_the_reference(device, dtype, tokens, heads_q, heads_kv, head_dim):
+    """Fewer than 8 queries per KV head (decode steps): on AVX-512 the grouped kernel, its groups of
+    three queries (7 = 3 + 3 + 1) and its head_dim chunks (256 = 2 x 128, 80 = 64 + 16)."""
+    check_against_reference(attention_inputs(3, tokens, heads_q, heads_kv, head_dim, 90, dtype, device))
 
 
 def test_long_contexts_split_over_keys_and_match_the_reference(device):
@@ -105,15 +118,16 @@ def test_padding_queries_and_queries_that_see_nothing_give_zeros(device, heads_q
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", ["chain", "window", "tree"])
-def test_only_the_slots_a_query_sees_are_read(device, case, dtype):
+@pytest.mark.parametrize("tokens,heads_q", [(4, 8), (2, 6)])
+def test_only_the_slots_a_query_sees_are_read(device, case, dtype, tokens, heads_q):
     """Every slot no query sees holds NaN (K and V): a kernel that read one, even to mask it, would
     return NaN; the result equals the reference on the clean cache."""
     window = 7 if case == "window" else 0
-    inputs = attention_inputs(3, 4, 8, 2, 64, 256, dtype, device, scratch=6 if case == "tree" else None)
+    inputs = attention_inputs(3, tokens, heads_q, 2, 64, 256, dtype, device, scratch=6 if case == "tree" else None)
     expected = reference.cached_attention(**inputs, window=window)
     seen = torch.zeros(3, 256, dtype=torch.bool)
     for b in range(3):
-        for t in range(4):
+        for t in range(tokens):
             p = int(inputs["positions"][b, t])
             if p < 0:
                 continue
@@ -133,11 +147,13 @@ def test_only_the_slots_a_query_sees_are_read(device, case, dtype):
     torch.testing.assert_close(got, expected, **ATTENTION_TOLERANCES[dtype])
 
 
-@pytest.mark.parametrize("dtype,switch", [(torch.bfloat16, "QSPEC_CPU_BF16_DOT"), (torch.float32, "QSPEC_CPU_AVX512")])
+@pytest.mark.parametrize("dtype,switch", [(torch.bfloat16, "QSPEC_CPU_BF16_DOT"), (torch.float32, "QSPEC_CPU_AVX512"),
+                                          (torch.bfloat16, "QSPEC_CPU_AVX512")])
 def test_both_cpu_kernels_match_the_reference(dtype, switch):
     """Calls with at least 8 queries per KV head take the query-lane kernel: bf16 on a CPU with
-    AVX512-BF16 (vdpbf16ps), fp32 on one with AVX-512; a child process with the switch at 0
-    checks the other kernel on the same calls, on any CPU."""
+    AVX512-BF16 (vdpbf16ps), fp32 on one with AVX-512; fewer (and fp16), with head_dim a multiple
+    of 16, the grouped one on AVX-512. A child process with the switch at 0 checks the other
+    kernels on the same calls, on any CPU (QSPEC_CPU_AVX512=0: the row kernel for every dtype)."""
     script = textwrap.dedent("""
         import sys, torch
         sys.path.insert(0, %r)
@@ -146,7 +162,8 @@ def test_both_cpu_kernels_match_the_reference(dtype, switch):
         dtype = getattr(torch, %r)
         for tokens, heads_q, heads_kv, head_dim, scratch in [(4, 9, 3, 64, None), (40, 9, 3, 64, None),
                                                              (5, 8, 2, 64, 6), (4, 4, 2, 38, None),
-                                                             (7, 6, 3, 21, None)]:
+                                                             (7, 6, 3, 21, None), (1, 9, 3, 64, None),
+                                                             (2, 6, 2, 128, 5), (1, 4, 4, 64, None)]:
             if dtype == torch.bfloat16 and head_dim %% 2:
                 continue  # bf16 lanes take element pairs: an odd head_dim stays on the other kernel
             inputs = attention_inputs(3, tokens, heads_q, heads_kv, head_dim, 300, dtype, "cpu", scratch=scratch)

@@ -2,13 +2,14 @@
 // slice of the request's used key slots once, in blocks of kKeyBlock slots (each slot whole: all
 // KV heads, one contiguous row), for all the request's queries (the T tokens x the query heads),
 // with an online softmax in fp32, asking for the next block's slots while it computes one.
-// (Register tiles of two queries sharing each key and value they load measured slower:
-// benchmarks/HISTORY.md.) Where keys were split, a second pass merges the splits' partial (max,
+// (Register tiles of two queries sharing each key and value they load measured slower in the 8-lane
+// row kernel, benchmarks/HISTORY.md; with AVX-512 FMAs, three per tile measured 1.35x faster.) Where keys were split, a second pass merges the splits' partial (max,
 // sum, accumulator) states into the output; unsplit, each item writes its own. An item's keys are
-// attended by one of two kernels: attend_keys (any dtype and CPU: each query row on its own, 8-lane
-// vectors over head_dim) or, for fp32 and bf16 calls with enough queries per KV head on a CPU with
-// AVX-512 (bf16: AVX512-BF16), attend_keys_lanes (16 queries in the lanes of a register: FMAs,
-// vdpbf16ps).
+// attended by one of three kernels: for fp32 and bf16 calls with enough queries per KV head on a CPU
+// with AVX-512 (bf16: AVX512-BF16), attend_keys_lanes (16 queries in the lanes of a register: FMAs,
+// vdpbf16ps); for fewer queries (a decode step's) on AVX-512 with head_dim a multiple of 16,
+// attend_keys_grouped (three queries at a time share each key and value vector loaded: FMAs);
+// elsewhere attend_keys (any dtype and CPU: each query row on its own, 8-lane vectors).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -621,6 +622,190 @@ QSPEC_TARGET_BF16_DOT void attend_keys_lanes(const AttentionParams<c10::BFloat16
   }
   lanes.store(p.heads_kv, queries, state);
 }
+
+// Decode-step queries (a KV head's few queries, fewer than fill the lanes) on AVX-512 with FMAs, for a
+// head_dim that is a multiple of 16: up to three of the head's queries at a time share each key and
+// value vector they load (the scores of 8 keys x 3 queries in 24 registers, summed across lanes 8 at a
+// time; the values weighed for the three at once), keys in blocks as attend_keys, K/V of any dtype
+// widened to fp32 in registers.
+constexpr int kGroupQueries = 3;
+
+QSPEC_TARGET_AVX512 QSPEC_INLINE __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+QSPEC_TARGET_AVX512 QSPEC_INLINE __m512 load16(const c10::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+QSPEC_TARGET_AVX512 QSPEC_INLINE __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Lanes of x and y summed pairwise in blocks of kBlock lanes: even blocks of the result from x, odd
+// ones from y. Three levels over 8 vectors, then the two halves: lane k = the sum of vector k.
+template <int kBlock>
+struct PairwiseIndex {
+  alignas(64) int32_t first[16] = {}, second[16] = {};
+  constexpr PairwiseIndex() {
+    for (int lane = 0; lane < 16; ++lane) {
+      const int block = lane / kBlock;
+      first[lane] = (block % 2 ? 16 : 0) + block / 2 * 2 * kBlock + lane % kBlock;
+      second[lane] = first[lane] + kBlock;
+    }
+  }
+};
+template <int kBlock>
+QSPEC_TARGET_AVX512 QSPEC_INLINE __m512 add_blocks(__m512 x, __m512 y) {
+  static constexpr PairwiseIndex<kBlock> index;
+  return _mm512_add_ps(_mm512_permutex2var_ps(x, _mm512_load_si512(index.first), y),
+                       _mm512_permutex2var_ps(x, _mm512_load_si512(index.second), y));
+}
+QSPEC_TARGET_AVX512 QSPEC_INLINE __m256 lane_sums8(const __m512 (&v)[8]) {
+  const __m512 quad0 = add_blocks<2>(add_blocks<1>(v[0], v[1]), add_blocks<1>(v[2], v[3]));
+  const __m512 quad1 = add_blocks<2>(add_blocks<1>(v[4], v[5]), add_blocks<1>(v[6], v[7]));
+  const __m512 halves = add_blocks<4>(quad0, quad1);
+  const __m256 upper = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(halves), 1));
+  return _mm256_add_ps(_mm512_castps512_ps256(halves), upper);
+}
+
+// scores[qi * kKeyBlock + j0 + k] = query qi . key j0 + k (k < 8) for the NQ queries (rows of q, D
+// apart); key rows past n - 1 read key n - 1 (masked later).
+template <int NQ, typename T>
+QSPEC_TARGET_AVX512 QSPEC_INLINE void score_group8(const float* __restrict__ q, const T* __restrict__ keys,
+                                                   int64_t stride, int64_t j0, int64_t n, int64_t D,
+                                                   float* __restrict__ scores) {
+  const T* rows[8];
+  for (int k = 0; k < 8; ++k) rows[k] = keys + std::min<int64_t>(j0 + k, n - 1) * stride;
+  __m512 acc[NQ][8];
+  for (int qi = 0; qi < NQ; ++qi)
+    for (int k = 0; k < 8; ++k) acc[qi][k] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    __m512 x[NQ];
+    for (int qi = 0; qi < NQ; ++qi) x[qi] = _mm512_loadu_ps(q + qi * D + d);
+    for (int k = 0; k < 8; ++k) {
+      const __m512 key = load16(rows[k] + d);
+      for (int qi = 0; qi < NQ; ++qi) acc[qi][k] = _mm512_fmadd_ps(x[qi], key, acc[qi][k]);
+    }
+  }
+  for (int qi = 0; qi < NQ; ++qi) _mm256_storeu_ps(scores + qi * kKeyBlock + j0, lane_sums8(acc[qi]));
+}
+
+// acc rows (state rows' accumulators, width apart) [d0, d0 + 16 C) += each query's weights x the
+// values of the keys in `keys` (bits of the block).
+template <int NQ, int C, typename T>
+QSPEC_TARGET_AVX512 QSPEC_INLINE void weigh_group(const float* __restrict__ weights, uint32_t keys,
+                                                  const T* __restrict__ values, int64_t stride, int64_t d0,
+                                                  float* __restrict__ acc, int64_t width) {
+  __m512 a[NQ][C];
+  for (int qi = 0; qi < NQ; ++qi)
+    for (int c = 0; c < C; ++c) a[qi][c] = _mm512_loadu_ps(acc + qi * width + d0 + 16 * c);
+  for (; keys != 0; keys &= keys - 1) {
+    const int j = __builtin_ctz(keys);
+    const T* v = values + j * stride + d0;
+    for (int c = 0; c < C; ++c) {
+      const __m512 value = load16(v + 16 * c);
+      for (int qi = 0; qi < NQ; ++qi)
+        a[qi][c] = _mm512_fmadd_ps(_mm512_set1_ps(weights[qi * kKeyBlock + j]), value, a[qi][c]);
+    }
+  }
+  for (int qi = 0; qi < NQ; ++qi)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + qi * width + d0 + 16 * c, a[qi][c]);
+}
+
+// NQ queries (scaled rows q, state rows from `state`, width apart) over a block's n keys; sees[qi]: the
+// keys query qi sees (bits; none past n).
+template <int NQ, typename T>
+QSPEC_TARGET_AVX512 QSPEC_INLINE void attend_group(const float* __restrict__ q, const T* __restrict__ keys,
+                                                   const T* __restrict__ values, int64_t stride, int64_t n,
+                                                   int64_t D, const uint32_t* sees, float* __restrict__ state,
+                                                   int64_t width) {
+  alignas(64) float scores[NQ * kKeyBlock], weights[NQ * kKeyBlock];
+  for (int64_t j0 = 0; j0 < n; j0 += 8) score_group8<NQ>(q, keys, stride, j0, n, D, scores);
+  const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+  uint32_t weighed = 0;  // keys some query of the group sees
+  for (int qi = 0; qi < NQ; ++qi) {
+    float* row = state + qi * width;
+    const uint32_t seen = sees[qi];
+    __m512 lo = _mm512_mask_mov_ps(neg_inf, static_cast<__mmask16>(seen), _mm512_loadu_ps(scores + qi * kKeyBlock));
+    __m512 hi = n > 16 ? _mm512_mask_mov_ps(neg_inf, static_cast<__mmask16>(seen >> 16),
+                                            _mm512_loadu_ps(scores + qi * kKeyBlock + 16))
+                       : neg_inf;
+    const float top = seen ? _mm512_reduce_max_ps(_mm512_max_ps(lo, hi)) : kNegInf;
+    if (top == kNegInf) {  // sees none of the block: weights 0
+      _mm512_storeu_ps(weights + qi * kKeyBlock, _mm512_setzero_ps());
+      _mm512_storeu_ps(weights + qi * kKeyBlock + 16, _mm512_setzero_ps());
+      continue;
+    }
+    weighed |= seen;
+    const float new_max = std::max(row[0], top);
+    const float correction = vec_exp(row[0] - new_max);  // 0 while nothing was seen
+    if (correction != 1.f) {
+      row[1] *= correction;
+      for (int64_t d = 0; d < D; d += 16)
+        _mm512_storeu_ps(row + 2 + d, _mm512_mul_ps(_mm512_loadu_ps(row + 2 + d), _mm512_set1_ps(correction)));
+    }
+    const __m512 top16 = _mm512_set1_ps(new_max);
+    lo = exp16(_mm512_sub_ps(lo, top16)), hi = exp16(_mm512_sub_ps(hi, top16));  // unseen: 0
+    _mm512_storeu_ps(weights + qi * kKeyBlock, lo);
+    _mm512_storeu_ps(weights + qi * kKeyBlock + 16, hi);
+    row[1] += _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+    row[0] = new_max;
+  }
+  if (weighed == 0) return;
+  int64_t d0 = 0;
+  for (; d0 + 128 <= D; d0 += 128) weigh_group<NQ, 8>(weights, weighed, values, stride, d0, state + 2, width);
+  for (; d0 + 64 <= D; d0 += 64) weigh_group<NQ, 4>(weights, weighed, values, stride, d0, state + 2, width);
+  for (; d0 < D; d0 += 16) weigh_group<NQ, 1>(weights, weighed, values, stride, d0, state + 2, width);
+}
+
+// attend_keys with attend_group: keys [begin, end) of request b, the same state rows.
+template <typename T>
+QSPEC_TARGET_AVX512 void attend_keys_grouped(const AttentionParams<T>& p, int64_t b, int64_t begin, int64_t end,
+                                             float* state) {
+  const int64_t D = p.head_dim, G = p.heads_q / p.heads_kv, queries = p.tokens * G, width = D + 2;
+  const int64_t slot_stride = p.heads_kv * D;
+  reset_states(state, p.heads_q * p.tokens, width);
+  if (begin >= end) return;
+  std::vector<KeyRange> ranges(p.tokens);
+  std::vector<float> q(p.heads_q * p.tokens * D);  // scaled, in state-row order
+  for (int64_t t = 0; t < p.tokens; ++t) {
+    ranges[t] = key_range(p, b, t);
+    for (int64_t head = 0; head < p.heads_q; ++head) {
+      const T* src = p.query + b * p.q_stride_b + t * p.q_stride_t + head * p.q_stride_h;
+      float* dst = q.data() + ((head / G * p.tokens + t) * G + head % G) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * p.scale;
+    }
+  }
+  const int64_t scratch_begin = p.tree_start != nullptr ? p.tree_start[b] : p.max_length;
+  std::vector<uint32_t> sees(queries);
+  const int64_t first_slot = b * p.max_length;
+  for (int64_t block = begin; block < end; block += kKeyBlock) {
+    const int64_t n = std::min(kKeyBlock, end - block);
+    prefetch_next_block(p.k_cache, p.v_cache, first_slot, slot_stride, block, end);
+    for (int64_t t = 0; t < p.tokens; ++t) {  // the keys of the block token t sees, as bits
+      const int64_t from = std::max(ranges[t].lo, block) - block, to = std::min(ranges[t].hi, block + n) - block;
+      uint32_t bits = 0;
+      if (from < to) bits = static_cast<uint32_t>(((uint64_t{1} << to) - 1) & ~((uint64_t{1} << from) - 1));
+      for (uint32_t tree = block + n > scratch_begin ? bits : 0; tree != 0; tree &= tree - 1) {
+        const int j = __builtin_ctz(tree);
+        if (block + j >= scratch_begin && !key_seen(p, b, t, block + j)) bits &= ~(uint32_t{1} << j);
+      }
+      for (int64_t g = 0; g < G; ++g) sees[t * G + g] = bits;
+    }
+    for (int64_t h = 0; h < p.heads_kv; ++h) {
+      const T* keys = p.k_cache + (first_slot + block) * slot_stride + h * D;
+      const T* values = p.v_cache + (first_slot + block) * slot_stride + h * D;
+      for (int64_t i = 0; i < queries; i += kGroupQueries) {
+        const int64_t row = h * queries + i;
+        const float* group_q = q.data() + row * D;
+        float* group_state = state + row * width;
+        switch (std::min<int64_t>(kGroupQueries, queries - i)) {
+          case 3: attend_group<3>(group_q, keys, values, slot_stride, n, D, sees.data() + i, group_state, width); break;
+          case 2: attend_group<2>(group_q, keys, values, slot_stride, n, D, sees.data() + i, group_state, width); break;
+          default: attend_group<1>(group_q, keys, values, slot_stride, n, D, sees.data() + i, group_state, width);
+        }
+      }
+    }
+  }
+}
 #endif
 
 // Keys [begin, end) of request b into its item's state rows, by the kernel that suits the call.
@@ -629,6 +814,7 @@ void attend_item(const AttentionParams<T>& p, bool lanes, int64_t b, int64_t beg
 #if QSPEC_BF16_DOT
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>)
     if (lanes) return attend_keys_lanes(p, b, begin, end, state);
+  if (p.head_dim % 16 == 0 && cpu_avx512()) return attend_keys_grouped(p, b, begin, end, state);
 #endif
   attend_keys(p, b, begin, end, state);
 }
