@@ -361,7 +361,7 @@ MUTANTS = [
            "  if (every_key_seen)\n", "  if (true)\n",
            ("tests/test_attention.py::test_only_the_slots_a_query_sees_are_read",)),
     Mutant("attention_running_sum_not_rescaled", "csrc/cpu/attention.cpp",
-           "row[1] *= correction;", "row[1] *= 1.f;",
+           "row[1] *= correction;\n    for (int64_t d = 0; d < D; ++d)", "row[1] *= 1.f;\n    for (int64_t d = 0; d < D; ++d)",
            ("tests/test_attention.py::test_chains_match_the_reference",)),
     # The query-lane kernels (bf16 on a CPU with AVX512-BF16; the rescaling shared with fp32).
     Mutant("attention_lanes_accumulator_not_rescaled", "csrc/cpu/attention.cpp",
