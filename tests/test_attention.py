@@ -118,12 +118,12 @@ def test_padding_queries_and_queries_that_see_nothing_give_zeros(device, heads_q
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", ["chain", "window", "tree"])
-@pytest.mark.parametrize("tokens,heads_q", [(4, 8), (2, 6)])
-def test_only_the_slots_a_query_sees_are_read(device, case, dtype, tokens, heads_q):
+@pytest.mark.parametrize("tokens,heads_q,head_dim", [(4, 8, 64), (2, 6, 64), (2, 6, 40)])  # each CPU kernel
+def test_only_the_slots_a_query_sees_are_read(device, case, dtype, tokens, heads_q, head_dim):
     """Every slot no query sees holds NaN (K and V): a kernel that read one, even to mask it, would
     return NaN; the result equals the reference on the clean cache."""
     window = 7 if case == "window" else 0
-    inputs = attention_inputs(3, tokens, heads_q, 2, 64, 256, dtype, device, scratch=6 if case == "tree" else None)
+    inputs = attention_inputs(3, tokens, heads_q, 2, head_dim, 256, dtype, device, scratch=6 if case == "tree" else None)
     expected = reference.cached_attention(**inputs, window=window)
     seen = torch.zeros(3, 256, dtype=torch.bool)
     for b in range(3):
