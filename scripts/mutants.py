@@ -343,6 +343,13 @@ MUTANTS = [
            "  if (K % 2) {  // x[K - 1]", "  if (false) {  // x[K - 1]",
            ("tests/test_linear.py::test_packed_linear_op_equals_the_reference",
             "tests/test_linear.py::test_both_bf16_kernels_match_the_reference")),
+    # fp32 AVX-512 FMA tiles (on a CPU with AVX-512).
+    Mutant("packed_linear_fma_odd_last_input_dropped", "csrc/cpu/packed_linear.cpp",
+           "  if (k < K) {  // an odd K's last input", "  if (false) {  // an odd K's last input",
+           ("tests/test_linear.py::test_both_fp32_kernels_match_the_reference",)),
+    Mutant("packed_linear_fma_odd_inputs_sum_dropped", "csrc/cpu/packed_linear.cpp",
+           "valid, _mm512_add_ps(acc[r][0], acc[r][1]));", "valid, acc[r][0]);",
+           ("tests/test_linear.py::test_both_fp32_kernels_match_the_reference",)),
     Mutant("packed_linear_writes_the_padding_columns", "csrc/cpu/packed_linear.cpp",
            "const W* panel = packed + p * panel_size;\n  const int64_t columns = std::min(kPanel, N - p * kPanel);",
            "const W* panel = packed + p * panel_size;\n  const int64_t columns = kPanel;",

@@ -148,6 +148,29 @@ def test_both_bf16_kernels_match_the_reference():
         assert run.stdout.split()[-1] == expected
 
 
+def test_both_fp32_kernels_match_the_reference():
+    """fp32 runs AVX-512 FMA tiles (8 rows, even and odd inputs) where the CPU has AVX-512; a
+    child process with QSPEC_CPU_AVX512=0 checks the 8-lane kernel too, on any CPU: tiles of 8 and
+    4 rows and their tails, an odd in_features, a last panel of 16 and of 8 columns."""
+    script = textwrap.dedent("""
+        import torch, qspec_ext
+        from qspec_ext import ops, reference
+        from qspec_ext.models.linear import pack_weight
+        torch.manual_seed(0)
+        for rows, in_features, out_features in [(1, 46, 80), (5, 47, 72), (17, 64, 80), (3, 1, 16)]:
+            weight, x = torch.randn(out_features, in_features), torch.randn(rows, in_features)
+            got = ops.packed_linear(x, pack_weight(weight), out_features)
+            torch.testing.assert_close(got, reference.packed_linear(x, weight), atol=1e-5, rtol=1e-5)
+        print("fma" if qspec_ext.build_info()["cpu_avx512"] else "lanes8")
+    """)
+    for setting in ("0", "1"):
+        env = {**os.environ, "QSPEC_CPU_AVX512": setting}
+        run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        expected = "lanes8" if setting == "0" else ("fma" if qspec_ext.build_info()["cpu_avx512"] else "lanes8")
+        assert run.stdout.split()[-1] == expected
+
+
 def test_the_op_compiles_into_a_static_graph():
     layer = packed(64, 48, torch.bfloat16)
     x = torch.randn(2, 3, 64).bfloat16()

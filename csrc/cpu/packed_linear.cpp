@@ -3,7 +3,8 @@
 // panel p is column p * kPanel + n, and holds G consecutive inputs k (fp32: one; bf16: a pair, what one
 // lane of an AVX512-BF16 dot product sums); zeros past N and K. A decode step's GEMM (M = batch x
 // tokens, a few rows) streams each panel once, contiguously, and every weight it loads serves all the
-// tile's rows. fp32 accumulation, the output in the input's dtype. bf16: on a CPU with AVX512-BF16,
+// tile's rows. fp32 accumulation, the output in the input's dtype. fp32: AVX-512 FMAs where the CPU
+// has them (QSPEC_CPU_AVX512=0 turns them off), else 8-lane multiplies and adds. bf16: on a CPU with AVX512-BF16,
 // vdpbf16ps on the bf16 rows (two multiply-adds per lane and instruction); elsewhere the pairs are
 // widened to fp32 in registers (half of fp32's bytes streamed on any x86 CPU). CPU only: on CUDA the
 // projections run cuBLAS on the weight as stored.
@@ -17,6 +18,7 @@
 #include <cstring>
 #include <string>
 #include <string_view>
+#include <type_traits>
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -211,6 +213,44 @@ void panel_rows(const uint16_t* x, int64_t x_stride, const uint16_t* packed, int
                 int64_t row, int64_t rows, c10::BFloat16* out) {
   panel_rows_impl<DotTiles>(x, x_stride, packed, K, N, p, row, rows, out);
 }
+
+// Register tiles of AVX-512 FMAs on fp32 panels, as Fp32Tiles with a whole panel per register: each
+// row's value broadcast into one FMA per input, 8 rows (the 8-lane tiles' multiplies and adds, two
+// instructions a 4-row tile column, kept the CPU's front end as busy as its arithmetic).
+struct FmaTiles {
+  static constexpr int kRows = kDotTileRows;
+
+  template <int R>
+  QSPEC_TARGET_AVX512 static void run(const float* __restrict__ x, int64_t x_stride, const float* __restrict__ panel,
+                                      int64_t K, float* __restrict__ out, int64_t out_stride, int64_t columns,
+                                      const float* ahead) {
+    __m512 acc[R][2];  // even and odd inputs: even one row keeps two FMA chains in flight
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 2 <= K; k += 2) {
+      const __m512 w0 = _mm512_loadu_ps(panel + k * kPanel), w1 = _mm512_loadu_ps(panel + (k + 1) * kPanel);
+      if (ahead != nullptr) {
+        __builtin_prefetch(ahead + k * kPanel, 0, 1);
+        __builtin_prefetch(ahead + (k + 1) * kPanel, 0, 1);
+      }
+      for (int r = 0; r < R; ++r) {
+        acc[r][0] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * x_stride + k]), w0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * x_stride + k + 1]), w1, acc[r][1]);
+      }
+    }
+    if (k < K) {  // an odd K's last input
+      const __m512 w = _mm512_loadu_ps(panel + k * kPanel);
+      for (int r = 0; r < R; ++r) acc[r][0] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * x_stride + k]), w, acc[r][0]);
+    }
+    const __mmask16 valid = static_cast<__mmask16>((1u << columns) - 1);
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * out_stride, valid, _mm512_add_ps(acc[r][0], acc[r][1]));
+  }
+};
+
+void panel_rows_fma(const float* x, int64_t x_stride, const float* packed, int64_t K, int64_t N, int64_t p,
+                    int64_t row, int64_t rows, float* out) {
+  panel_rows_impl<FmaTiles>(x, x_stride, packed, K, N, p, row, rows, out);
+}
 #endif
 
 // Whether a switch (an environment variable) is set to 0: the kernels it names are not used, so
@@ -251,10 +291,19 @@ template <typename X, typename W, typename T>
 void packed_gemm(const X* x, int64_t x_stride, const W* packed, int64_t M, int64_t K, int64_t N, T* out) {
   const int64_t panels = (N + kPanel - 1) / kPanel, row_blocks = (M + kBlockRows - 1) / kBlockRows;
   const int64_t item_work = std::min(M, kBlockRows) * K * kPanel;
+  const bool fma_tiles = cpu_avx512();  // fp32 weights: AVX-512 FMA tiles
   at::parallel_for(0, panels * row_blocks, grain_for(item_work), [&](int64_t first, int64_t last) {
     for (int64_t item = first; item < last; ++item) {
       const int64_t row = (item % row_blocks) * kBlockRows;
-      panel_rows(x, x_stride, packed, K, N, item / row_blocks, row, std::min(kBlockRows, M - row), out);
+      const int64_t rows = std::min(kBlockRows, M - row);
+#if QSPEC_BF16_DOT
+      if constexpr (std::is_same_v<W, float>)
+        if (fma_tiles) {
+          panel_rows_fma(x, x_stride, packed, K, N, item / row_blocks, row, rows, out);
+          continue;
+        }
+#endif
+      panel_rows(x, x_stride, packed, K, N, item / row_blocks, row, rows, out);
     }
   });
 }
