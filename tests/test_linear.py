@@ -126,48 +126,33 @@ def test_packed_linear_rejects_bad_input(bad, match):
         ops.packed_linear(*bad(torch.randn(3, 64), packed_weight))
 
 
-def test_both_bf16_kernels_match_the_reference():
-    """bf16 runs AVX512-BF16 dot products where the CPU has them; a child process with
-    QSPEC_CPU_BF16_DOT=0 checks the widening kernel too, on any CPU."""
+@pytest.mark.parametrize("dtype,switch,feature,fast,other", [
+    ("bfloat16", "QSPEC_CPU_BF16_DOT", "cpu_bf16_dot", "dot", "widened"),
+    ("float32", "QSPEC_CPU_AVX512", "cpu_avx512", "fma", "8-lane"),
+])
+def test_both_kernels_of_a_dtype_match_the_reference(dtype, switch, feature, fast, other):
+    """bf16 runs AVX512-BF16 dot products where the CPU has them, fp32 AVX-512 FMA tiles (8 rows,
+    even and odd inputs) where it has AVX-512; a child process with the switch at 0 checks the
+    other kernel (bf16 pairs widened, 8-lane fp32 tiles) too, on any CPU: tiles and their tails,
+    odd in_features, a last panel of 16 and of 8 columns."""
     script = textwrap.dedent("""
         import torch, qspec_ext
         from qspec_ext import ops, reference
         from qspec_ext.models.linear import pack_weight
         torch.manual_seed(0)
-        for rows, in_features in [(1, 46), (5, 47), (17, 64)]:
-            weight, x = torch.randn(80, in_features).bfloat16(), torch.randn(rows, in_features).bfloat16()
-            got = ops.packed_linear(x, pack_weight(weight), 80).float()
-            torch.testing.assert_close(got, reference.packed_linear(x, weight).float(), atol=3e-2, rtol=2e-2)
-        print("dot" if qspec_ext.build_info()["cpu_bf16_dot"] else "widened")
-    """)
-    for setting in ("0", "1"):
-        env = {**os.environ, "QSPEC_CPU_BF16_DOT": setting}
-        run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-        assert run.returncode == 0, run.stderr
-        expected = "widened" if setting == "0" else ("dot" if qspec_ext.build_info()["cpu_bf16_dot"] else "widened")
-        assert run.stdout.split()[-1] == expected
-
-
-def test_both_fp32_kernels_match_the_reference():
-    """fp32 runs AVX-512 FMA tiles (8 rows, even and odd inputs) where the CPU has AVX-512; a
-    child process with QSPEC_CPU_AVX512=0 checks the 8-lane kernel too, on any CPU: tiles of 8 and
-    4 rows and their tails, an odd in_features, a last panel of 16 and of 8 columns."""
-    script = textwrap.dedent("""
-        import torch, qspec_ext
-        from qspec_ext import ops, reference
-        from qspec_ext.models.linear import pack_weight
-        torch.manual_seed(0)
+        dtype = getattr(torch, %r)
+        tolerance = dict(atol=3e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
         for rows, in_features, out_features in [(1, 46, 80), (5, 47, 72), (17, 64, 80), (3, 1, 16)]:
-            weight, x = torch.randn(out_features, in_features), torch.randn(rows, in_features)
-            got = ops.packed_linear(x, pack_weight(weight), out_features)
-            torch.testing.assert_close(got, reference.packed_linear(x, weight), atol=1e-5, rtol=1e-5)
-        print("fma" if qspec_ext.build_info()["cpu_avx512"] else "lanes8")
-    """)
+            weight, x = torch.randn(out_features, in_features).to(dtype), torch.randn(rows, in_features).to(dtype)
+            got = ops.packed_linear(x, pack_weight(weight), out_features).float()
+            torch.testing.assert_close(got, reference.packed_linear(x, weight).float(), **tolerance)
+        print(%r if qspec_ext.build_info()[%r] else %r)
+    """ % (dtype, fast, feature, other))
     for setting in ("0", "1"):
-        env = {**os.environ, "QSPEC_CPU_AVX512": setting}
+        env = {**os.environ, switch: setting}
         run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr
-        expected = "lanes8" if setting == "0" else ("fma" if qspec_ext.build_info()["cpu_avx512"] else "lanes8")
+        expected = other if setting == "0" else (fast if qspec_ext.build_info()[feature] else other)
         assert run.stdout.split()[-1] == expected
 
 

@@ -179,16 +179,12 @@ QSPEC_INLINE void attend_block(const float* __restrict__ q, const float* __restr
     accumulate_values<true>(weights, values, stride, n, D, row + 2);
 }
 
-// Keys [begin, end) of request b, every KV head, for all the request's queries. State row
-// (h * T + t) * G + g belongs to query head h * G + g of token t.
+// Request b's queries in fp32, scaled, in state-row order (row (h * T + t) * G + g: query head
+// h * G + g of token t), and each token's key range into ranges.
 template <typename T>
-QSPEC_INLINE void attend_keys_impl(const AttentionParams<T>& p, int64_t b, int64_t begin, int64_t end, float* state) {
-  const int64_t D = p.head_dim, G = p.heads_q / p.heads_kv, queries = p.tokens * G, width = D + 2;
-  const int64_t slot_stride = p.heads_kv * D;  // one slot: all KV heads
-  reset_states(state, p.heads_q * p.tokens, width);
-  if (begin >= end) return;
-  std::vector<KeyRange> ranges(p.tokens);
-  std::vector<float> q(p.heads_q * p.tokens * D);  // scaled, in state-row order
+QSPEC_INLINE std::vector<float> scaled_queries(const AttentionParams<T>& p, int64_t b, std::vector<KeyRange>& ranges) {
+  const int64_t D = p.head_dim, G = p.heads_q / p.heads_kv;
+  std::vector<float> q(p.heads_q * p.tokens * D);
   for (int64_t t = 0; t < p.tokens; ++t) {
     ranges[t] = key_range(p, b, t);
     for (int64_t head = 0; head < p.heads_q; ++head) {
@@ -198,6 +194,19 @@ QSPEC_INLINE void attend_keys_impl(const AttentionParams<T>& p, int64_t b, int64
       for (int64_t d = 0; d < D; ++d) dst[d] *= p.scale;
     }
   }
+  return q;
+}
+
+// Keys [begin, end) of request b, every KV head, for all the request's queries. State row
+// (h * T + t) * G + g belongs to query head h * G + g of token t.
+template <typename T>
+QSPEC_INLINE void attend_keys_impl(const AttentionParams<T>& p, int64_t b, int64_t begin, int64_t end, float* state) {
+  const int64_t D = p.head_dim, G = p.heads_q / p.heads_kv, queries = p.tokens * G, width = D + 2;
+  const int64_t slot_stride = p.heads_kv * D;  // one slot: all KV heads
+  reset_states(state, p.heads_q * p.tokens, width);
+  if (begin >= end) return;
+  std::vector<KeyRange> ranges(p.tokens);
+  const std::vector<float> q = scaled_queries(p, b, ranges);
   constexpr bool kFloat = std::is_same_v<T, float>;
   // fp32 caches are read in place; others are converted a block and a KV head (K then V) at a
   // time: 16 KB at head_dim 64, in L1 while the head's queries read it (all heads at once spilled).
@@ -765,15 +774,7 @@ QSPEC_TARGET_AVX512 void attend_keys_grouped(const AttentionParams<T>& p, int64_
   reset_states(state, p.heads_q * p.tokens, width);
   if (begin >= end) return;
   std::vector<KeyRange> ranges(p.tokens);
-  std::vector<float> q(p.heads_q * p.tokens * D);  // scaled, in state-row order
-  for (int64_t t = 0; t < p.tokens; ++t) {
-    ranges[t] = key_range(p, b, t);
-    for (int64_t head = 0; head < p.heads_q; ++head) {
-      const T* src = p.query + b * p.q_stride_b + t * p.q_stride_t + head * p.q_stride_h;
-      float* dst = q.data() + ((head / G * p.tokens + t) * G + head % G) * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * p.scale;
-    }
-  }
+  const std::vector<float> q = scaled_queries(p, b, ranges);
   const int64_t scratch_begin = p.tree_start != nullptr ? p.tree_start[b] : p.max_length;
   std::vector<uint32_t> sees(queries);
   const int64_t first_slot = b * p.max_length;
