@@ -83,8 +83,9 @@ void decoder_layer(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& i
                 "must be [batch, tokens] with batch * tokens = hidden's ", hidden.size(0), " rows, got ",
                 positions.sizes());
   }
-  QSPEC_CHECK(output_rows.has_value() == output_positions.has_value(), kOp, output_rows ? "output_positions" : "output_rows",
-              "must be given with ", output_rows ? "output_rows" : "output_positions", ", got None");
+  QSPEC_CHECK(output_rows.has_value() == output_positions.has_value(), kOp,
+              output_rows ? "output_positions" : "output_rows", "must be given with ",
+              output_rows ? "output_rows" : "output_positions", ", got None");
   if (output_rows) {
     QSPEC_CHECK(!tree_start, kOp, "output_rows", "is for chains, not draft trees (tree_start given)");
     QSPEC_CHECK(output_rows->dim() == 1 && output_rows->scalar_type() == at::kLong &&

@@ -123,7 +123,8 @@ def test_only_the_slots_a_query_sees_are_read(device, case, dtype, tokens, heads
     """Every slot no query sees holds NaN (K and V): a kernel that read one, even to mask it, would
     return NaN; the result equals the reference on the clean cache."""
     window = 7 if case == "window" else 0
-    inputs = attention_inputs(3, tokens, heads_q, 2, head_dim, 256, dtype, device, scratch=6 if case == "tree" else None)
+    scratch = 6 if case == "tree" else None
+    inputs = attention_inputs(3, tokens, heads_q, 2, head_dim, 256, dtype, device, scratch=scratch)
     expected = reference.cached_attention(**inputs, window=window)
     seen = torch.zeros(3, 256, dtype=torch.bool)
     for b in range(3):

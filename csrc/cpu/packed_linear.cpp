@@ -4,8 +4,8 @@
 // lane of an AVX512-BF16 dot product sums); zeros past N and K. A decode step's GEMM (M = batch x
 // tokens, a few rows) streams each panel once, contiguously, and every weight it loads serves all the
 // tile's rows. fp32 accumulation, the output in the input's dtype. fp32: AVX-512 FMAs where the CPU
-// has them (QSPEC_CPU_AVX512=0 turns them off), else 8-lane multiplies and adds. bf16: on a CPU with AVX512-BF16,
-// vdpbf16ps on the bf16 rows (two multiply-adds per lane and instruction); elsewhere the pairs are
+// has them (QSPEC_CPU_AVX512=0 turns them off), else 8-lane multiplies and adds. bf16: on a CPU
+// with AVX512-BF16, vdpbf16ps on the bf16 rows (two multiply-adds per lane and instruction); elsewhere the pairs are
 // widened to fp32 in registers (half of fp32's bytes streamed on any x86 CPU). CPU only: on CUDA the
 // projections run cuBLAS on the weight as stored.
 //
@@ -215,8 +215,8 @@ void panel_rows(const uint16_t* x, int64_t x_stride, const uint16_t* packed, int
 }
 
 // Register tiles of AVX-512 FMAs on fp32 panels, as Fp32Tiles with a whole panel per register: each
-// row's value broadcast into one FMA per input, 8 rows (the 8-lane tiles' multiplies and adds, two
-// instructions a 4-row tile column, kept the CPU's front end as busy as its arithmetic).
+// row's value broadcast into one FMA per input, 8 rows. (Fp32Tiles issue a multiply and an add per 8
+// columns: on AVX-512 their instruction count, not the arithmetic, bounded them.)
 struct FmaTiles {
   static constexpr int kRows = kDotTileRows;
 
@@ -243,7 +243,8 @@ struct FmaTiles {
       for (int r = 0; r < R; ++r) acc[r][0] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * x_stride + k]), w, acc[r][0]);
     }
     const __mmask16 valid = static_cast<__mmask16>((1u << columns) - 1);
-    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * out_stride, valid, _mm512_add_ps(acc[r][0], acc[r][1]));
+    for (int r = 0; r < R; ++r)
+      _mm512_mask_storeu_ps(out + r * out_stride, valid, _mm512_add_ps(acc[r][0], acc[r][1]));
   }
 };
 

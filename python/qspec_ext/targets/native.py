@@ -95,12 +95,13 @@ class DecoderLayer(nn.Module):
         ``only``: every token's K/V is written, but only the ``only`` rows attend and run the MLP
         (a prefill's last layer: nobody reads the other rows, left half-way)."""
         attn, mlp = self.self_attn, self.mlp
+        output = (only.rows, only.positions) if only is not None else (None, None)
         ops.decoder_layer_(hidden, residual, self.input_layernorm.weight, self.post_attention_layernorm.weight,
                            attn.qkv_proj.inference_weight(hidden), attn.o_proj.inference_weight(hidden),
                            mlp.gate_up_proj.inference_weight(hidden), mlp.down_proj.inference_weight(hidden),
                            *attn.qk_norm_weights(), *cache, cos_sin, at.positions, at.rope_positions, at.slots,
                            *at.tree_args, attn.heads, attn.kv_heads, attn.head_dim, c.intermediate_size,
-                           c.rms_norm_eps, at.token_rows, *((only.rows, only.positions) if only else (None, None)))
+                           c.rms_norm_eps, at.token_rows, *output)
 
 
 class NativeModel(nn.Module):
