@@ -3,12 +3,12 @@
 // KV heads, one contiguous row), for all the request's queries (the T tokens x the query heads),
 // with an online softmax in fp32, asking for the next block's slots while it computes one.
 // (Register tiles of two queries sharing each key and value they load measured slower in the 8-lane
-// row kernel, benchmarks/HISTORY.md; with AVX-512 FMAs, three per tile measured 1.35x faster.)
+// row kernel, benchmarks/HISTORY.md; with AVX-512 FMAs, three per tile measured 1.4x faster.)
 // Where keys were split, a second pass merges the splits' partial (max, sum, accumulator) states
 // into the output; unsplit, each item writes its own. An item's keys are attended by one of three
-// kernels: for fp32 and bf16 calls with enough queries per KV head on a CPU
-// with AVX-512 (bf16: AVX512-BF16), attend_keys_lanes (16 queries in the lanes of a register: FMAs,
-// vdpbf16ps); for fewer queries (a decode step's) on AVX-512 with head_dim a multiple of 16,
+// kernels: for fp32 and bf16 calls with enough queries per KV head on a CPU with AVX-512 (bf16:
+// AVX512-BF16), attend_keys_lanes (16 queries in the lanes of a register: FMAs, vdpbf16ps); for
+// fewer queries (a decode step's) on AVX-512 with head_dim a multiple of 16,
 // attend_keys_grouped (three queries at a time share each key and value vector loaded: FMAs);
 // elsewhere attend_keys (any dtype and CPU: each query row on its own, 8-lane vectors).
 #include <cmath>
