@@ -1,79 +1,192 @@
-"""Trains SmolLM2-135M-Instruct's shipped drafters on the target's regenerated answers
-(scripts/make_smollm2_data.py): an EAGLE-3 chain drafter (Qwen3 architecture, TTT over 7 steps)
-and a P-EAGLE drafter, both with an 8192-token draft vocabulary from the data's token counts,
-stored in bf16 (both drafters together within ~40 MB: the embeddings are the target's).
+"""Trains SmolLM2-135M-Instruct's shipped drafters on the target's own answers
+(scripts/make_smollm2_data.py: data/smollm2/answers.npz), speculators' EAGLE 3.1 way: a Qwen3
+chain drafter with fc_norm (per-chunk norms of the aux features before fc), TTT over 3 steps, and
+a P-EAGLE drafter, both with a draft vocabulary of the answers' most frequent tokens.
 
-    python scripts/train_smollm2.py [--steps 600] [--parallel-steps 400] [--only chain|parallel]
-    python scripts/train_smollm2.py --smoke DIR      # 2 steps per part, on 16 records, into DIR: does it run
+    python scripts/train_smollm2.py [--steps 1500] [--only chain|parallel]   # trains, or resumes
+    python scripts/train_smollm2.py --export [--only chain|parallel]  # a running part's latest checkpoint, shipped
+    python scripts/train_smollm2.py --smoke DIR      # 2 steps per part on 64 records, into DIR: does it run
 
-First the target (the native one, fp32) reads every record once (its aux features and top-32
-draft-vocabulary labels, about 1.7 GB, kept in build/smollm2-train/features.pt and shared by both
-parts); then each part trains the drafter alone on windows inside one record, its loss on the
-answer tokens. Reproducible (fixed seeds) and resumable: each part checkpoints every 10 steps
-under build/smollm2-train/ (not committed: about 110 MB per part) and a rerun on the same machine
-continues where the last one stopped; a finished part is not trained again. fp32 throughout: on a
-CPU without AVX-512 bf16 autocast ran a chain step 35x slower (71 s against 2.1 s). The shipped
-drafters' run (an AVX2-only 2-core machine, 2026-12-03): the target's pass about 40 minutes (2152
-records, 488k tokens), 600 chain steps (TTT over 7 steps, batch 4 x 256, compiled) at 3.0-3.4 s
-about 34 minutes, 400 P-EAGLE steps about 16 minutes: about 92 minutes in all. Writes --out
-(default python/qspec_ext/smollm2_pair/): {draft,draft-parallel} and loss_curves.json / .png (loss and accuracy per step, seconds per part).
+The target's features and labels come from its transformers model (bf16: AMX / AVX512-BF16 run it
+several times faster than fp32) in one batched pass over the data, kept under the user cache
+(~/.cache/qspec_ext/train-features/, about 3.5 KB a token, with a manifest beside each file) and
+rebuilt when missing. The chain trains on windows of 1024 rows packed with whole records, its loss
+(KL to the target over the draft vocabulary) and draft logits on the answer rows only; bf16
+autocast where the CPU has AMX or AVX512-BF16 (without them bf16 is many times slower: fp32).
+Every --eval-every steps the drafter's teacher-forced accuracy on the held-out prompts' answers
+(heldout_answers.npz; never trained on) is logged, and a copy of the drafter is kept under
+build/smollm2-train/<part>/curve/ for the acceptance side of the learning curve.
+
+Resuming: on the same machine from build/smollm2-train/<part>/checkpoint.pt (every 25 steps,
+exact); on a new one from the shipped drafter and its training.json (a warm start: its weights,
+the step it reached, the learning rate where the cosine schedule was; a fresh optimizer). --export
+writes the shipped drafter and training.json from the latest checkpoint while a run goes on (what a
+session commits before it stops); --steps may grow between runs.
 """
 
 import argparse
+import hashlib
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
 
 import torch
 
-from qspec_ext.shipped import SMOLLM2_DIR, target_dir
-from qspec_ext.train import TrainConfig, train_drafter
+from qspec_ext.shipped import SMOLLM2_DIR, cache_root, target_dir
+from qspec_ext.train import (TrainConfig, _batched_capture, _target_features, draft_vocabulary, evaluate_ttt,
+                             npz_records, train_drafter)
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data" / "smollm2"
+ANSWERS, HELDOUT = DATA / "answers.npz", DATA / "heldout_answers.npz"
 WORK = REPO / "build" / "smollm2-train"
-
-COMMON = dict(draft_vocab=8192, arch="qwen3", seq_len=256, batch_size=4, lr=1e-3, seed=0, intermediate_size=1024,
-              bf16=False, checkpoint_every=10, own_embeddings=False)
-SMOKE_RECORDS = 16
+PARTS = {"chain": "draft", "parallel": "draft-parallel"}
 
 
-def data_complete() -> bool:
-    prompts = (DATA / "prompts.jsonl").read_text().splitlines() if (DATA / "prompts.jsonl").is_file() else []
-    answers = (DATA / "answers.jsonl").read_text().splitlines() if (DATA / "answers.jsonl").is_file() else []
-    done = {(r["id"], r["mode"]) for r in map(json.loads, answers)}  # a rerun batch may repeat rows
-    return bool(prompts) and len(done) == 2 * len(prompts)
+def cpu_has_fast_bf16() -> bool:
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    return " amx_bf16" in flags or " avx512_bf16" in flags
 
 
-def train_part(name: str, config: TrainConfig, curves: dict, shipped: Path, data: Path) -> None:
-    out = shipped / name
-    if (out / "config.json").is_file() and name in curves:
-        print(f"{name}: already trained ({out})", file=sys.stderr)
-        return
-    work = WORK / name
-    drafter, history = train_drafter(target_dir("smollm2"), [data], work, config, features_file=WORK / "features.pt")
-    seconds = json.loads((work / "history.json").read_text())["seconds"]  # every session's share
-    drafter.to(torch.bfloat16).save_pretrained(out)  # without embeddings: the target lends its own
-    curves[name] = {"loss": [h[0] for h in history], "accuracy": [h[1] for h in history], "seconds": seconds,
-                    "config": dict(vars(config))}
-    (shipped / "loss_curves.json").write_text(json.dumps(curves) + "\n")
-    shutil.rmtree(work, ignore_errors=True)
+def configs(steps: int, bf16: bool) -> dict[str, TrainConfig]:
+    common = dict(draft_vocab=8192, arch="qwen3", fc_norm=True, intermediate_size=1024, seed=0, bf16=bf16,
+                  capture_bf16=True, checkpoint_every=25, own_embeddings=False)
+    return {"chain": TrainConfig(steps=steps, ttt_steps=3, seq_len=1024, batch_size=4, lr=1e-3, pack=True, **common),
+            "parallel": TrainConfig(steps=steps, parallel=True, parallel_depth=8, seq_len=256, batch_size=8, lr=1e-3,
+                                    **common)}
 
 
-def plot(curves: dict, shipped: Path) -> None:
+def file_hash(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def features_file(data: Path, config: TrainConfig) -> Path:
+    """Under the user cache, named by the data and what the features hold."""
+    key = hashlib.sha256(f"{file_hash(data)} {config.draft_vocab} {config.aux_layer_ids} bf16-hf v1".encode()).hexdigest()
+    return cache_root() / "train-features" / f"smollm2-{key[:16]}.pt"
+
+
+def heldout_evaluator(config: TrainConfig, data: Path):
+    """evaluate(drafter) -> held-out teacher-forced KL and accuracy per TTT step (3 steps)."""
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(target_dir("smollm2")).vocab_size
+    _, draft_ids = draft_vocabulary(npz_records(data), vocab, config.draft_vocab)
+    records = npz_records(HELDOUT)
+    key = hashlib.sha256(f"{file_hash(HELDOUT)} {draft_ids.tolist()}".encode()).hexdigest()[:16]
+    store = _target_features(None, records, draft_ids, cache_root() / "train-features" / f"heldout-{key}.pt", False,
+                             _batched_capture(target_dir("smollm2"), [2, 15, 27], "cpu", False))
+
+    def evaluate(drafter) -> dict:
+        return evaluate_ttt(drafter, store, 3, bf16=config.bf16)
+
+    return evaluate
+
+
+def training_record(work: Path, config: TrainConfig, data: Path) -> dict:
+    """What the shipped drafter's training.json keeps: enough to plot it and to resume from it."""
+    state = torch.load(work / "checkpoint.pt", weights_only=False) if (work / "checkpoint.pt").is_file() else None
+    history = json.loads((work / "history.json").read_text()) if state is None else dict(
+        history=state["history"], seconds=state["seconds"], rows_seen=state["rows_seen"],
+        evaluations=state["evaluations"])
+    return dict(config=dict(vars(config)), data=dict(file=data.name, sha256_16=file_hash(data)),
+                steps_done=len(history["history"]), **history)
+
+
+def export(part: str, config: TrainConfig, data: Path, shipped: Path, before: dict | None) -> None:
+    """The part's drafter (bf16, embeddings borrowed) and training.json into the shipped directory,
+    from its finished run or its latest checkpoint; ``before``: an earlier session's record this run
+    continued (warm start), whose history comes first."""
+    from qspec_ext import load_target
+    from qspec_ext.models import Eagle3Config, Eagle3Drafter
+
+    work = WORK / part
+    record = training_record(work, config, data)
+    if before is not None:
+        offset = before["steps_done"]
+        record["history"] = before["history"] + record["history"]
+        record["evaluations"] = before["evaluations"] + [
+            dict(e, step=e["step"] + offset, rows_seen=e["rows_seen"] + before["rows_seen"]) for e in record["evaluations"]]
+        record["rows_seen"] += before["rows_seen"]
+        record["seconds"] += before["seconds"]
+        record["steps_done"] += offset
+        record["warm_started_at"] = before.get("warm_started_at", []) + [offset]
+    if (work / "checkpoint.pt").is_file():
+        state = torch.load(work / "checkpoint.pt", weights_only=False)
+        drafter = Eagle3Drafter(Eagle3Config(**state["drafter_config"]), use_custom_ops=False)
+        drafter.load_state_dict(state["drafter"])
+        drafter.embeddings_borrowed = state["embeddings_borrowed"]
+    else:
+        drafter = Eagle3Drafter.from_pretrained(work, dtype=torch.float32, target=load_target("smollm2"))
+    out = shipped / PARTS[part]
+    drafter.to(torch.bfloat16).save_pretrained(out)
+    (out / "training.json").write_text(json.dumps(record) + "\n")
+    print(f"{part}: step {record['steps_done']} exported to {out}", file=sys.stderr)
+
+
+def train_part(part: str, config: TrainConfig, data: Path, shipped: Path, evaluate) -> None:
+    work = WORK / part
+    out = shipped / PARTS[part]
+    record = json.loads((out / "training.json").read_text()) if (out / "training.json").is_file() else None
+    if record is not None and record["data"]["sha256_16"] != file_hash(data):
+        record = None  # a drafter of other data: start afresh
+    before, init = None, None
+    if record is not None and not (work / "checkpoint.pt").is_file():
+        if record["steps_done"] >= config.steps:
+            return print(f"{part}: trained ({record['steps_done']} steps, {out})", file=sys.stderr)
+        # A warm start from the shipped drafter: the rest of the steps, from the learning rate reached.
+        before, init = record, out
+        done = record["steps_done"]
+        config = TrainConfig(**dict(vars(config), steps=config.steps - done,
+                                    lr=config.lr * 0.5 * (1 + math.cos(math.pi * done / config.steps))))
+        (work / "before.json").parent.mkdir(parents=True, exist_ok=True)
+        (work / "before.json").write_text(json.dumps(record) + "\n")
+    elif (work / "before.json").is_file():
+        before = json.loads((work / "before.json").read_text())
+        config = TrainConfig(**dict(vars(config), steps=config.steps - before["steps_done"],
+                                    lr=config.lr * 0.5 * (1 + math.cos(math.pi * before["steps_done"] / config.steps))))
+    curve = work / "curve"
+
+    def evaluate_and_keep(drafter) -> dict:
+        result = evaluate(drafter) if evaluate is not None else {}
+        step = len(list(curve.glob("step-*"))) if curve.is_dir() else 0
+        drafter.save_pretrained(curve / f"step-{step:03d}")  # a copy for the acceptance curve
+        print(f"{part}: held-out {json.dumps(result)}", file=sys.stderr, flush=True)
+        return result
+
+    train_drafter(target_dir("smollm2"), [data], work, config, features_file=features_file(data, config),
+                  init_from=init, evaluate=evaluate_and_keep if part == "chain" else None, eval_every=ARGS.eval_every)
+    export(part, config, data, shipped, before)
+    for name in ("checkpoint.pt", "before.json"):
+        (work / name).unlink(missing_ok=True)
+
+
+def plot(shipped: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-    for name in ("draft", "draft-parallel"):
-        if name in curves:
-            axes[0].plot(curves[name]["loss"], label=name)
-            axes[1].plot([a[0] for a in curves[name]["accuracy"]], label=f"{name}: first draft")
-    axes[0].set(xlabel="step", ylabel="KL to the target", title="training loss")
-    axes[1].set(xlabel="step", ylabel="top-1 agreement", title="accuracy")
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for part, name in PARTS.items():
+        path = shipped / name / "training.json"
+        if not path.is_file():
+            continue
+        record = json.loads(path.read_text())
+        losses = [h[0] for h in record["history"]]
+        window = 25
+        smooth = [sum(losses[max(0, i - window + 1) : i + 1]) / len(losses[max(0, i - window + 1) : i + 1])
+                  for i in range(len(losses))]
+        axes[0].plot(smooth, label=f"{name} (mean of {window} steps)")
+        evals = record.get("evaluations", [])
+        for j in range(len(evals[0]["accuracy"]) if evals else 0):
+            axes[1].plot([e["rows_seen"] for e in evals], [e["accuracy"][j] for e in evals], "o-",
+                         label=f"{name}: draft position {j + 1}")
+    axes[0].set(xlabel="step", ylabel="KL to the target (training batches)", title="training loss")
+    axes[1].set(xscale="log", xlabel="answer tokens trained on (token-passes)", ylabel="top-1 agreement",
+                title="held-out teacher-forced accuracy")
     for ax in axes:
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
@@ -82,35 +195,43 @@ def plot(curves: dict, shipped: Path) -> None:
 
 
 def main():
+    global ARGS
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=600, help="chain drafter steps")
-    parser.add_argument("--parallel-steps", type=int, default=400, help="P-EAGLE drafter steps")
-    parser.add_argument("--only", choices=["chain", "parallel"])
-    parser.add_argument("--out", type=Path, default=SMOLLM2_DIR,
-                        help="where the drafters go (default: the shipped ones' directory; a part already there is kept)")
-    parser.add_argument("--smoke", metavar="DIR", help=f"2 steps per part on the first {SMOKE_RECORDS} records, written to DIR")
-    args = parser.parse_args()
-    shipped, data = args.out, DATA / "answers.jsonl"
-    if args.smoke:
-        shipped, args.steps, args.parallel_steps = Path(args.smoke), 2, 2
-        global WORK
+    parser.add_argument("--steps", type=int, default=1500, help="steps per part (may grow between runs)")
+    parser.add_argument("--only", choices=list(PARTS))
+    parser.add_argument("--eval-every", type=int, default=100)
+    parser.add_argument("--out", type=Path, default=SMOLLM2_DIR, help="where the drafters go")
+    parser.add_argument("--export", action="store_true", help="write the shipped drafters from the latest checkpoints")
+    parser.add_argument("--smoke", metavar="DIR", help="2 steps per part on 64 records, written to DIR")
+    ARGS = parser.parse_args()
+    global WORK
+    shipped, data, steps = ARGS.out, ANSWERS, ARGS.steps
+    if ARGS.smoke:
+        import numpy as np
+
+        shipped, steps, ARGS.eval_every = Path(ARGS.smoke), 2, 1
         WORK = shipped / "work"
         WORK.mkdir(parents=True, exist_ok=True)
-        data = WORK / "answers.jsonl"
-        data.write_text("".join((DATA / "answers.jsonl").read_text().splitlines(keepends=True)[:SMOKE_RECORDS]))
-    elif not data_complete():
-        sys.exit(f"train_smollm2: the data in {DATA} is incomplete: run scripts/make_smollm2_data.py until it is done")
+        with np.load(ANSWERS) as z:
+            n = int(z["starts"][64])
+            data = WORK / "answers.npz"
+            np.savez(data, ids=z["ids"][:n], starts=z["starts"][:65], prompt_length=z["prompt_length"][:64])
+    elif not ANSWERS.is_file():
+        sys.exit(f"train_smollm2: {ANSWERS} not found: run scripts/make_smollm2_data.py")
+    parts = [ARGS.only] if ARGS.only else list(PARTS)
+    all_configs = configs(steps, cpu_has_fast_bf16())
+    if ARGS.export:
+        for part in parts:
+            before = WORK / part / "before.json"
+            export(part, all_configs[part], data, shipped, json.loads(before.read_text()) if before.is_file() else None)
+        return plot(shipped)
     shipped.mkdir(parents=True, exist_ok=True)
-    curves_path = shipped / "loss_curves.json"
-    curves = json.loads(curves_path.read_text()) if curves_path.is_file() else {}
-    if args.only in (None, "chain"):
-        train_part("draft", TrainConfig(steps=args.steps, ttt_steps=7, compile=True, **COMMON), curves, shipped, data)
-    if args.only in (None, "parallel"):
-        train_part("draft-parallel", TrainConfig(steps=args.parallel_steps, parallel=True, parallel_depth=8,
-                                                 **COMMON), curves, shipped, data)
-    if all(name in curves for name in ("draft", "draft-parallel")):
-        (WORK / "features.pt").unlink(missing_ok=True)
-    plot(curves, shipped)
+    for part in parts:
+        evaluate = heldout_evaluator(all_configs[part], data) if part == "chain" else None
+        train_part(part, all_configs[part], data, shipped, evaluate)
+        plot(shipped)
+    if ARGS.smoke:
+        shutil.rmtree(WORK, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -577,3 +577,170 @@ def test_a_drafter_trained_for_a_scaled_rope_target_keeps_the_scaling(tiny_targe
                   TrainConfig(steps=1, ttt_steps=1, draft_vocab=120, seq_len=32, batch_size=2), progress=False)
     saved = json.loads((tmp_path / "draft" / "config.json").read_text())["transformer_layer_config"]
     assert saved["rope_parameters"] == {"rope_theta": 10000.0, **scaling}
+
+
+def tiny_features(tiny_target, sequences, vocab=120):
+    from qspec_ext.targets import load_target
+
+    target = load_target(tiny_target / "target", dtype=torch.float32)
+    return TargetFeatures.compute(target, sequences, torch.arange(vocab))
+
+
+def test_loss_on_weighted_rows_only_equals_the_full_loss_restricted_to_them(tiny_target, trained):
+    """weighted_rows_only computes draft logits for the weighted rows alone: the same loss,
+    accuracies and gradients as the full computation, whose other rows weigh nothing."""
+    store = tiny_features(tiny_target, [(list(range(3, 40)), 10), (list(range(50, 80)), 4)])
+    drafter = trained[0]
+    c = drafter.config
+    cos_sin = rope_cos_sin_cache(64, c.head_dim, c.rope_theta)
+    ids, features, labels, weight = store.batch(torch.tensor([0, 37]), 32, "cpu")
+    assert 0 < weight.sum() < weight.numel()
+    results = []
+    for only in (False, True):
+        drafter.zero_grad()
+        loss, accuracies = ttt_loss(drafter, ids, features, labels, 3, cos_sin, weight, weighted_rows_only=only)
+        loss.backward()
+        results.append((loss.detach(), accuracies, {n: p.grad.clone() for n, p in drafter.named_parameters()
+                                                     if p.grad is not None}))
+    torch.testing.assert_close(results[1][0], results[0][0])
+    torch.testing.assert_close(results[1][1], results[0][1])
+    assert results[0][2].keys() == results[1][2].keys() and results[0][2]
+    for name, grad in results[0][2].items():
+        torch.testing.assert_close(results[1][2][name], grad, msg=name, atol=1e-5, rtol=1e-4)
+    drafter.zero_grad()
+
+
+def test_packed_windows_see_only_their_own_record(tiny_target, trained):
+    """A window packed with several records gives each record's rows what the record alone, from
+    position 0, gives: the summed KL and hits per TTT step of the packed batch equal the records'
+    own sums; every record is packed once an epoch, at positions from 0."""
+    from qspec_ext.train import PackedWindows
+
+    sequences = [(list(range(3, 20)), 5), (list(range(30, 42)), 2), (list(range(60, 90)), 8), (list(range(5, 14)), 1)]
+    store = tiny_features(tiny_target, sequences)
+    drafter = trained[0]
+    c = drafter.config
+    cos_sin = rope_cos_sin_cache(80, c.head_dim, c.rope_theta)
+    packer = PackedWindows(store, 40, 2, seed=1)
+    rng = random.Random(0)
+    ids, features, labels, weight, positions, segment = packer.next(rng, "cpu")
+    lengths = [len(ids) for ids, _ in sequences]
+    packed = []
+    for b in range(2):
+        for piece in segment[b][segment[b] < 40].unique():
+            at = (segment[b] == piece).nonzero().flatten()
+            assert torch.equal(positions[b, at], torch.arange(len(at))), "each record from position 0"
+            assert torch.equal(at, torch.arange(int(at[0]), int(at[0]) + len(at))), "contiguous"
+            packed.append(next(s for s, (record, _) in enumerate(sequences) if ids[b, at].tolist() == record))
+    assert sorted(packed)[:4] == [0, 1, 2, 3], "whole records, every one of the epoch (the next fills the gaps)"
+    with torch.no_grad():
+        packed_sums = ttt_loss(drafter, ids, features, labels, 3, cos_sin, weight, positions, segment,
+                               weighted_rows_only=True, sums=True)
+        alone = [torch.zeros(3) for _ in range(3)]
+        for s in packed:
+            start = int(store.starts[s])
+            one = store.batch(torch.tensor([start]), lengths[s], "cpu")
+            sums = ttt_loss(drafter, *one[:3], 3, cos_sin, one[3], weighted_rows_only=True, sums=True)
+            alone = [a + t for a, t in zip(alone, sums)]
+    for got, want in zip(packed_sums, alone):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert alone[2].sum() > 0
+
+
+def test_batched_features_equal_the_targets_own(tiny_target):
+    """compute_batched (a transformers model, many records a forward, right-padded) gives the
+    features and labels the target gives each record alone."""
+    sequences = [(list(range(3, 20)), 5), (list(range(30, 42)), 2), (list(range(60, 90)), 8)]
+    one_at_a_time = tiny_features(tiny_target, sequences)
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(tiny_target / "target").eval()
+    aux = [2, 4, 5]  # the 8-layer target's defaults
+    batched = TargetFeatures.compute_batched(hf, aux, sequences, torch.arange(120), batch_tokens=64)
+    torch.testing.assert_close(batched.features.float(), one_at_a_time.features.float(), atol=0.05, rtol=0.02)
+    torch.testing.assert_close(batched.label_logp, one_at_a_time.label_logp, atol=1e-3, rtol=1e-3)
+    assert (batched.label_index[:, 0] == one_at_a_time.label_index[:, 0]).float().mean() > 0.97
+    assert torch.equal(batched.trained, one_at_a_time.trained)
+    with pytest.raises(ValueError, match=r"aux layer ids must be in \[0, 8\)"):
+        TargetFeatures.compute_batched(hf, [2, 8], sequences, torch.arange(120))
+
+
+def test_npz_records_and_their_errors(tmp_path):
+    import numpy as np
+
+    from qspec_ext.train import npz_records
+
+    np.savez(tmp_path / "a.npz", ids=np.array([1, 2, 3, 4, 5], dtype=np.uint16), starts=np.array([0, 2, 5]),
+             prompt_length=np.array([1, 2]))
+    assert npz_records(tmp_path / "a.npz") == [([1, 2], 1), ([3, 4, 5], 2)]
+    np.savez(tmp_path / "b.npz", ids=np.array([1, 2, 3]), starts=np.array([0, 2]), prompt_length=np.array([1, 2]))
+    with pytest.raises(ValueError, match="b.npz: starts must rise from 0 to len"):
+        npz_records(tmp_path / "b.npz")
+    np.savez(tmp_path / "c.npz", ids=np.array([1, 2, 3]))
+    with pytest.raises(ValueError, match=r"c.npz: .*missing \['prompt_length', 'starts'\]"):
+        npz_records(tmp_path / "c.npz")
+
+
+def test_warm_start_loads_the_drafter_and_refuses_another_vocabulary(tiny_target, trained, tmp_path):
+    from qspec_ext.train import warm_start
+
+    config = TrainConfig(steps=1, ttt_steps=1, draft_vocab=120, seq_len=48, batch_size=2, seed=0, lr=1e-9)
+    drafter, _ = train_drafter(tiny_target / "target", [tiny_target / "code.py"], tmp_path / "warm", config,
+                               progress=False, init_from=tiny_target / "draft")
+    for key, value in trained[0].state_dict().items():
+        torch.testing.assert_close(drafter.state_dict()[key], value, atol=1e-6, rtol=1e-5, msg=key)
+    other = Eagle3Drafter(dataclasses.replace(trained[0].config, draft_vocab_size=60), use_custom_ops=False)
+    with pytest.raises(ValueError, match="draft/model.safetensors has another draft vocabulary"):
+        warm_start(other, tiny_target / "draft")
+    wider = Eagle3Drafter(dataclasses.replace(trained[0].config, intermediate_size=96), use_custom_ops=False)
+    wider.d2t.copy_(trained[0].d2t)
+    with pytest.raises(ValueError, match=r"does not fit this drafter: shapes \{'layers.0.mlp"):
+        warm_start(wider, tiny_target / "draft")
+    with pytest.raises(FileNotFoundError, match="warm start"):
+        warm_start(other, tmp_path / "nowhere")
+
+
+def test_a_packed_run_resumes_with_its_feature_cache_gone(tiny_target, tmp_path, monkeypatch):
+    """A packed, checkpointed run killed mid-way whose feature file is gone (a new machine) rebuilds
+    it and ends with the drafter, history and held-out evaluations of an uninterrupted run; the
+    total steps may change on resume."""
+    config = TrainConfig(steps=6, ttt_steps=2, draft_vocab=120, seq_len=64, batch_size=2, seed=0, pack=True,
+                         fc_norm=True, checkpoint_every=2)
+    store = tiny_features(tiny_target, [(list(range(3, 40)), 10)])
+
+    def evaluate(drafter):
+        from qspec_ext.train import evaluate_ttt
+
+        return evaluate_ttt(drafter, store, 2, length=64, batch_size=1)
+
+    files = dict(features_file=tmp_path / "cache" / "f.pt", evaluate=evaluate, eval_every=3, progress=False)
+    whole, whole_history = train_drafter(tiny_target / "target", [tiny_target / "code.py"], tmp_path / "whole",
+                                         config, **files)
+    real_step, steps = torch.optim.AdamW.step, {"n": 0}
+
+    def dies_at_step_5(self, *args, **kwargs):
+        steps["n"] += 1
+        if steps["n"] == 5:
+            raise KeyboardInterrupt("killed")
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", dies_at_step_5)
+    with pytest.raises(KeyboardInterrupt):
+        train_drafter(tiny_target / "target", [tiny_target / "code.py"], tmp_path / "split", config, **files)
+    monkeypatch.setattr(torch.optim.AdamW, "step", real_step)
+    (tmp_path / "cache" / "f.pt").unlink()
+    assert json.loads((tmp_path / "cache" / "f.pt.json").read_text())["draft_vocab"] == 120
+    resumed, history = train_drafter(tiny_target / "target", [tiny_target / "code.py"], tmp_path / "split", config,
+                                     **files)
+    assert history == whole_history
+    for key, value in whole.state_dict().items():
+        torch.testing.assert_close(resumed.state_dict()[key], value, msg=key)
+    written = [json.loads((tmp_path / name / "history.json").read_text()) for name in ("whole", "split")]
+    assert [e["step"] for e in written[0]["evaluations"]] == [0, 3, 6]
+    assert written[0]["evaluations"] == written[1]["evaluations"] and written[0]["rows_seen"] == written[1]["rows_seen"]
+    longer = dataclasses.replace(config, steps=8)  # a resume may change the total steps
+    steps["n"] = 0
+    monkeypatch.setattr(torch.optim.AdamW, "step", dies_at_step_5)
+    with pytest.raises(KeyboardInterrupt):
+        train_drafter(tiny_target / "target", [tiny_target / "code.py"], tmp_path / "longer", config, **files)
+    monkeypatch.setattr(torch.optim.AdamW, "step", real_step)
+    _, history = train_drafter(tiny_target / "target", [tiny_target / "code.py"], tmp_path / "longer", longer, **files)
+    assert len(history) == 8 and history[:4] == whole_history[:4]

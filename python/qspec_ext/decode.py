@@ -108,6 +108,7 @@ class _Sampler:
 
     def __init__(self, batch: int, temperature: float, top_k: int | None, top_p: float | None, seed: int, device):
         self.temperature = temperature
+        self.max_top_k = top_k if top_k is not None and top_k > 0 else None
         self.top_k = None if top_k is None else torch.full((batch,), top_k, device=device)
         self.top_p = None if top_p is None else torch.full((batch,), top_p, device=device)
         self.generators = [torch.Generator(device=device).manual_seed(seed * 1_000_003 + b) for b in range(batch)]
@@ -121,7 +122,7 @@ class _Sampler:
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """logits / temperature, filtered; verify_sampling then runs at temperature 1."""
-        return apply_top_k_top_p(logits.float() / self.temperature, self.top_k, self.top_p)
+        return apply_top_k_top_p(logits.float() / self.temperature, self.top_k, self.top_p, self.max_top_k)
 
     def pick(self, logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B]
         if self.temperature == 0.0:

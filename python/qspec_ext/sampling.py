@@ -4,7 +4,8 @@ import torch
 
 
 def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None
+    logits: torch.Tensor, top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
+    max_top_k: int | None = None,
 ) -> torch.Tensor:
     """Returns logits ``[B, ..., V]`` with tokens outside each request's top-k / top-p set at -inf.
 
@@ -12,21 +13,39 @@ def apply_top_k_top_p(
     top-p set is the smallest set of most likely tokens whose probability (softmax of the
     logits as given, so divide by the temperature first) reaches top_p; top-k applies first.
     Ties at the boundary are kept. No host synchronization.
+    ``max_top_k``: a bound the caller knows of every request's top_k (each in [1, max_top_k]):
+    only that many of the most likely tokens are sorted (a full sort of a 49k vocabulary costs more
+    than a small model's decode step on CPU); the result is the same, ties at the k-th value included.
     """
     if top_k is None and top_p is None:
         return logits
     batch, vocab = logits.shape[0], logits.shape[-1]
     view = (batch,) + (1,) * (logits.dim() - 1)
-    sorted_logits, _ = logits.sort(dim=-1, descending=True)
+    truncated = top_k is not None and max_top_k is not None and 0 < max_top_k < vocab
+    if truncated:
+        sorted_logits = logits.topk(max_top_k, dim=-1).values
+    else:
+        sorted_logits, _ = logits.sort(dim=-1, descending=True)
     keep_threshold = torch.full(logits.shape[:-1] + (1,), float("-inf"), dtype=logits.dtype, device=logits.device)
     if top_k is not None:
         k = top_k.to(torch.long).clamp(min=0).view(view)
         k = torch.where((k <= 0) | (k >= vocab), torch.full_like(k, vocab), k)
+        if truncated:
+            k = k.clamp(max=max_top_k)
         kth = sorted_logits.gather(-1, (k - 1).expand(*logits.shape[:-1], 1))
         keep_threshold = torch.maximum(keep_threshold, kth)
         sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
     if top_p is not None:
-        probs = sorted_logits.float().softmax(dim=-1)
+        if truncated:
+            # The tokens tied with the k-th value past the sorted ones are in the top-k set too:
+            # their mass counts in the normalization (they come last in sorted order, so the mass
+            # before each sorted token is unchanged).
+            ties = ((logits == kth).sum(-1, keepdim=True) - (sorted_logits == kth).sum(-1, keepdim=True)).float()
+            top = sorted_logits[..., :1].float()
+            weights = (sorted_logits.float() - top).exp()
+            probs = weights / (weights.sum(-1, keepdim=True) + ties * (kth.float() - top).exp())
+        else:
+            probs = sorted_logits.float().softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass of the more likely tokens
         p = top_p.to(torch.float32).view(view)
         last = (before < p).sum(dim=-1, keepdim=True).clamp(min=1) - 1  # index of the last kept token

@@ -14,6 +14,7 @@ quarter is the target's own greedy continuation (self-distillation: the drafter 
 text greedy decoding will ask it to draft), regenerated a pool of windows at a time.
 """
 
+import dataclasses
 import json
 import math
 import random
@@ -65,6 +66,14 @@ class TrainConfig:
     # is learned), a chain drafter borrows the target's. False for P-EAGLE: the mask token keeps
     # the target's embedding of an id the data never uses and the learned mask_hidden carries it.
     own_embeddings: bool | None = None
+    # Windows packed with whole records (first fit over a shuffled order, an epoch at a time), each
+    # record attending only to itself from position 0: few rows are padding. False: one random window
+    # inside one record per row of the batch (the rows past its end are padding).
+    pack: bool = False
+    # The target's features and labels from its transformers model in bf16, many records a forward
+    # (CPUs with AMX or AVX512-BF16 run it several times faster than fp32); False: the target
+    # load_target gives, in fp32, one record at a time.
+    capture_bf16: bool = False
 
 
 def check_train_config(c: TrainConfig) -> None:
@@ -85,10 +94,12 @@ def check_train_config(c: TrainConfig) -> None:
         if c.regenerate:
             raise ValueError(f"{where}: checkpoint_every does not go with regenerate (its pool of regenerated "
                              f"windows is not part of a checkpoint); regenerate the data first")
-    for name in ("fc_norm", "norm_output", "parallel", "regenerate", "bf16", "compile"):
+    for name in ("fc_norm", "norm_output", "parallel", "regenerate", "bf16", "compile", "pack", "capture_bf16"):
         check_bool(where, name, getattr(c, name))
     if c.own_embeddings is not None:
         check_bool(where, "own_embeddings", c.own_embeddings)
+    if c.pack and (c.parallel or c.regenerate):
+        raise ValueError(f"{where}: pack trains the chain drafter on stored features (not parallel, not regenerate)")
     check_float(where, "lr", c.lr, 0.0, low_open=True)
     check_int(where, "parallel_depth", c.parallel_depth, 1)
     check_float(where, "cod_ratio", c.cod_ratio, 0.0, 1.0, low_open=True)
@@ -99,13 +110,15 @@ def check_train_config(c: TrainConfig) -> None:
 
 def token_sequences(tokenizer, files: list[Path], chunk: int) -> list[tuple[list[int], int]]:
     """The training sequences, file after file, each with the index of its first token the drafter
-    learns to draft: a .jsonl file's records (one per line with "ids": a conversation already
+    learns to draft: a .npz file's records (:func:`npz_records`), a .jsonl file's records (one per line with "ids": a conversation already
     tokenized, e.g. the target's regenerated answers of scripts/make_smollm2_data.py; from its
     "prompt_length" on: the answer, not the prompt), a text file's tokens in pieces of ``chunk``
     (all of it)."""
     sequences: list[tuple[list[int], int]] = []
     for path in map(Path, files):
-        if path.suffix == ".jsonl":
+        if path.suffix == ".npz":
+            sequences.extend(npz_records(path))
+        elif path.suffix == ".jsonl":
             for number, line in enumerate(path.read_text().splitlines(), 1):
                 record = json.loads(line) if line.strip() else {}
                 if not isinstance(record.get("ids"), list):
@@ -115,6 +128,23 @@ def token_sequences(tokenizer, files: list[Path], chunk: int) -> list[tuple[list
             ids = tokenizer.encode(path.read_text(errors="replace")).ids
             sequences.extend((ids[i : i + chunk], 0) for i in range(0, len(ids), chunk))
     return [(ids, first) for ids, first in sequences if len(ids) > 1]
+
+
+def npz_records(path: Path) -> list[tuple[list[int], int]]:
+    """The records of an answers file of scripts/make_smollm2_data.py: ``ids`` (every record's token
+    ids laid end to end), ``starts [R + 1]`` and ``prompt_length [R]``; (ids, prompt length) each."""
+    import numpy as np
+
+    with np.load(path) as z:
+        missing = {"ids", "starts", "prompt_length"} - set(z.files)
+        if missing:
+            raise ValueError(f"{path}: an .npz training file needs arrays ids, starts and prompt_length; "
+                             f"missing {sorted(missing)}")
+        ids, starts, first = z["ids"].astype(np.int64), z["starts"], z["prompt_length"]
+    if len(starts) != len(first) + 1 or starts[0] != 0 or starts[-1] != len(ids) or (starts[1:] < starts[:-1]).any():
+        raise ValueError(f"{path}: starts must rise from 0 to len(ids) = {len(ids)} with one entry per record "
+                         f"plus one ({len(first)} records, {len(starts)} starts)")
+    return [(ids[a:b].tolist(), int(f)) for a, b, f in zip(starts[:-1], starts[1:], first)]
 
 
 class Windows:
@@ -180,6 +210,52 @@ class TargetFeatures:
             index[row : row + n], logp[row : row + n] = (t.cpu() for t in draft_labels(logits[0], draft_ids, k))
         return cls(tokens, features, index, logp, starts, trained)
 
+    @classmethod
+    @torch.no_grad()
+    def compute_batched(cls, model, aux_layer_ids: list[int], sequences: list[tuple[list[int], int]],
+                        draft_ids: torch.Tensor, top_k: int = LABEL_TOP_K, batch_tokens: int = 8192,
+                        progress: bool = False) -> "TargetFeatures":
+        """As :meth:`compute`, from a transformers causal LM (``output_hidden_states``: the stream
+        entering layer L is ``hidden_states[L]``) run on many records at once: records of similar
+        length together, right-padded (a causal model's rows before the padding do not see it),
+        at most ``batch_tokens`` rows a forward."""
+        from tqdm import tqdm
+
+        layers = model.config.num_hidden_layers
+        if any(not 0 <= i < layers for i in aux_layer_ids):
+            raise ValueError(f"TargetFeatures.compute_batched: aux layer ids must be in [0, {layers}) (the last "
+                             f"layer's output is normed in hidden_states), got {aux_layer_ids}")
+        tokens, starts, trained = cls.layout(sequences)
+        lengths = (starts[1:] - starts[:-1]).tolist()
+        k = min(top_k, len(draft_ids))
+        H = model.config.hidden_size
+        features = torch.empty(len(tokens), len(aux_layer_ids) * H, dtype=torch.bfloat16)
+        index, logp = torch.empty(len(tokens), k, dtype=torch.int32), torch.empty(len(tokens), k)
+        order = sorted(range(len(sequences)), key=lambda s: lengths[s])
+        groups, group = [], []
+        for s in order:  # lengths rise: the group's padded size is its newest member's length
+            if group and (len(group) + 1) * lengths[s] > batch_tokens:
+                groups.append(group)
+                group = []
+            group.append(s)
+        groups += [group] if group else []
+        device = next(model.parameters()).device
+        for group in tqdm(groups, desc="target features", disable=not progress):
+            T = max(lengths[s] for s in group)
+            ids = torch.zeros(len(group), T, dtype=torch.long)
+            mask = torch.zeros(len(group), T, dtype=torch.long)
+            for b, s in enumerate(group):
+                ids[b, : lengths[s]] = tokens[starts[s] : starts[s + 1]]
+                mask[b, : lengths[s]] = 1
+            out = model(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True)
+            stream = torch.cat([out.hidden_states[i] for i in aux_layer_ids], dim=-1)
+            labels = draft_labels(out.logits, draft_ids.to(device), k)
+            for b, s in enumerate(group):
+                rows, n = slice(int(starts[s]), int(starts[s + 1])), lengths[s]
+                features[rows] = stream[b, :n].to("cpu", torch.bfloat16)
+                index[rows], logp[rows] = labels[0][b, :n].cpu(), labels[1][b, :n].cpu()
+        return cls(tokens, features, index, logp, starts, trained)
+
     @staticmethod
     def layout(sequences: list[tuple[list[int], int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """tokens, starts and trained of the sequences."""
@@ -216,6 +292,103 @@ class TargetFeatures:
                 (self.label_index[rows].to(device), self.label_logp[rows].to(device)), weight.to(device))
 
 
+class PackedWindows:
+    """Batches of windows of ``length`` rows, each packed with whole records of ``store`` (first fit
+    from the next few records of a shuffled order, a new order each epoch; a record longer than a
+    window fills one window with a random crop), each piece at positions from 0 and seeing only
+    itself. ``state()`` / ``load_state()``: where a resumed run continues."""
+
+    LOOKAHEAD = 64
+
+    def __init__(self, store: TargetFeatures, length: int, batch_size: int, seed: int):
+        self.store, self.length, self.batch_size, self.seed = store, length, batch_size, seed
+        self.records = len(store.starts) - 1
+        self.epoch, self.cursor, self.pending = 0, 0, []
+
+    def state(self) -> dict:
+        return dict(epoch=self.epoch, cursor=self.cursor, pending=list(self.pending))
+
+    def load_state(self, state: dict) -> None:
+        self.epoch, self.cursor, self.pending = state["epoch"], state["cursor"], list(state["pending"])
+
+    def _order(self) -> list[int]:
+        return torch.randperm(self.records, generator=torch.Generator().manual_seed(self.seed * 7919 + self.epoch)).tolist()
+
+    def _refill(self) -> None:
+        order = None
+        while len(self.pending) < self.LOOKAHEAD:
+            if self.cursor == self.records:
+                self.epoch, self.cursor, order = self.epoch + 1, 0, None
+            order = order or self._order()
+            take = min(self.LOOKAHEAD - len(self.pending), self.records - self.cursor)
+            self.pending += order[self.cursor : self.cursor + take]
+            self.cursor += take
+
+    def _window(self, rng: random.Random) -> list[tuple[int, int]]:
+        """(first row, row count) of each record piece in one window."""
+        self._refill()
+        starts, space, pieces, i = self.store.starts, self.length, [], 0
+        while i < len(self.pending) and space > 0:
+            s = self.pending[i]
+            first, n = int(starts[s]), int(starts[s + 1] - starts[s])
+            if n > self.length and space == self.length:  # a long record: a random crop, alone
+                crop = rng.randrange(n - self.length + 1)
+                pieces.append((first + crop, self.length))
+                self.pending.pop(i)
+                break
+            if n <= space:
+                pieces.append((first, n))
+                space -= n
+                self.pending.pop(i)
+            else:
+                i += 1
+        return pieces
+
+    def next(self, rng: random.Random, device) -> tuple:
+        """ids, features (fp32), labels, weight [B, L] (1: a trained row), positions [B, L] and
+        segment [B, L] (which piece of the window a row belongs to; padding rows each alone)."""
+        L, B = self.length, self.batch_size
+        rows = torch.zeros(B, L, dtype=torch.long)
+        positions = torch.zeros(B, L, dtype=torch.long)
+        segment = torch.arange(L).repeat(B, 1) + L  # padding: a segment per row
+        real = torch.zeros(B, L, dtype=torch.bool)
+        for b in range(B):
+            at = 0
+            for piece, (first, n) in enumerate(self._window(rng)):
+                rows[b, at : at + n] = torch.arange(first, first + n)
+                positions[b, at : at + n] = torch.arange(n)  # a crop's too: RoPE sees only distances
+                segment[b, at : at + n] = piece
+                real[b, at : at + n] = True
+                at += n
+        s = self.store
+        weight = (s.trained[rows] & real).float()
+        return (s.tokens[rows].to(device), s.features[rows].to(device, torch.float32),
+                (s.label_index[rows].to(device), s.label_logp[rows].to(device)), weight.to(device),
+                positions.to(device), segment.to(device))
+
+
+@torch.no_grad()
+def evaluate_ttt(model: Eagle3Drafter, store: TargetFeatures, ttt_steps: int, length: int = 1024,
+                 batch_size: int = 4, bf16: bool = False) -> dict:
+    """Teacher-forced quality on ``store`` (e.g. held-out answers), every record once, packed in
+    order: per TTT step the mean KL to the target and the top-1 accuracy over the trained rows."""
+    c = model.config
+    cos_sin = rope_cos_sin_cache(length + ttt_steps + 1, c.head_dim, c.rope_theta, device=store.tokens.device,
+                                 scaling=c.rope_scaling)
+    packer = PackedWindows(store, length, batch_size, seed=0)
+    packer.pending, packer.cursor, packer.LOOKAHEAD = list(range(packer.records)), packer.records, 0
+    totals = torch.zeros(3, ttt_steps)
+    rng = random.Random(0)
+    while packer.pending:
+        ids, features, labels, weight, positions, segment = packer.next(rng, store.tokens.device)
+        with torch.autocast(store.tokens.device.type, dtype=torch.bfloat16, enabled=bf16):
+            sums = ttt_loss(model, ids, features, labels, ttt_steps, cos_sin, weight, positions, segment,
+                            weighted_rows_only=True, sums=True)
+        totals += torch.stack([t.float().cpu() for t in sums])
+    kl, hits, rows = totals
+    return dict(kl=(kl / rows.clamp(min=1)).tolist(), accuracy=(hits / rows.clamp(min=1)).tolist())
+
+
 def regenerated_batches(target, windows: Windows, draft_ids, batch_size: int, pool: int = 8, passes: int = 2):
     """Batches like ``windows``' whose last three quarters the target writes itself (greedy, with
     :func:`~qspec_ext.decode.generate_plain`), ``pool`` batches at a time, each pool served
@@ -239,10 +412,10 @@ def _rms(x, w, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-def _rope(x, cos, sin):  # x [B, L, heads, D], cos/sin [L, D/2]: rotate-half
+def _rope(x, cos, sin):  # x [B, L, heads, D], cos/sin [L, D/2] or [B, L, D/2]: rotate-half
     half = x.shape[-1] // 2
     a, b = x[..., :half], x[..., half:]
-    cos, sin = cos[:, None], sin[:, None]
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
 
 
@@ -281,17 +454,28 @@ def _head(model: Eagle3Drafter, h):
     return model.lm_head(z), (z if model.config.norm_output else h)
 
 
-def ttt_step(model: Eagle3Drafter, x, tokens, positions, cos_sin, past):
+def ttt_step(model: Eagle3Drafter, x, tokens, positions, cos_sin, past, segment=None):
     """One differentiable draft step over all pair indices.
 
-    x [B, L, H] the hidden input, tokens [B, L], positions [L]; past[layer] holds the
+    x [B, L, H] the hidden input, tokens [B, L], positions [L] or [B, L]; past[layer] holds the
     (k, v) of earlier steps, past[layer][0] the real context (step 1). A query at index t
-    sees step-1 keys at indices <= t and every later step's key at index t.
+    sees step-1 keys at indices <= t (of its own ``segment [B, L]``, if given: packed records)
+    and every later step's key at index t.
     Returns logits [B, L, Vd], x_next [B, L, H] and this step's (k, v) per layer."""
+    h, new_kv = _ttt_layers(model, x, tokens, positions, cos_sin, past, segment)
+    logits, x_next = _head(model, h)
+    return logits, x_next, new_kv
+
+
+def _ttt_layers(model: Eagle3Drafter, x, tokens, positions, cos_sin, past, segment=None):
+    """The last layer's output h [B, L, H] of :func:`ttt_step` and its (k, v) per layer."""
     D = model.config.head_dim
     L = x.shape[1]
     cos, sin = cos_sin[positions, : D // 2], cos_sin[positions, D // 2 :]
     embeds = model.embed_tokens(tokens)
+    visible = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
+    if segment is not None:
+        visible = (visible & (segment[:, :, None] == segment[:, None, :]))[:, None]  # [B, 1, L, L]
     new_kv, h = [], None
     for li in range(len(model.layers)):
         residual, u = _layer_input(model, li, x, embeds, h)
@@ -300,16 +484,14 @@ def ttt_step(model: Eagle3Drafter, x, tokens, positions, cos_sin, past):
         steps = past[li] + [(k, v)]
         k1, v1 = steps[0]
         scores = torch.einsum("bqhd,bkhd->bhqk", q, k1) / math.sqrt(D)
-        causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
-        scores = scores.masked_fill(~causal, float("-inf"))
+        scores = scores.masked_fill(~visible, float("-inf"))
         diag = [(q * ks).sum(-1).transpose(1, 2)[..., None] / math.sqrt(D) for ks, _ in steps[1:]]
         weights = torch.cat([scores, *diag], dim=-1).softmax(-1)
-        out = torch.einsum("bhqk,bkhd->bqhd", weights[..., :L], v1)
+        out = torch.einsum("bhqk,bkhd->bqhd", weights[..., :L].to(v1.dtype), v1)
         for i, (_, vs) in enumerate(steps[1:]):
-            out = out + weights[..., L + i].transpose(1, 2)[..., None] * vs
+            out = out + weights[..., L + i].transpose(1, 2)[..., None].to(vs.dtype) * vs
         h = _layer_output(model, li, residual, out)
-    logits, x_next = _head(model, h)
-    return logits, x_next, new_kv
+    return h, new_kv
 
 
 def masked_forward(model: Eagle3Drafter, x, tokens, positions, cos_sin, allowed):
@@ -350,32 +532,52 @@ def _kl_and_accuracy(logits, labels):
     and whether the drafter's argmax is the target's."""
     index, logp = labels
     p = torch.softmax(logp, dim=-1)
-    log_q = torch.log_softmax(logits.float(), dim=-1).gather(-1, index.long())
+    logits = logits.float()  # (argmax too: fp32's is several times bf16's on CPU)
+    log_q = torch.log_softmax(logits, dim=-1).gather(-1, index.long())
     return (p * (torch.log(p.clamp(min=1e-12)) - log_q)).sum(-1), logits.argmax(-1) == index[..., 0]
 
 
-def ttt_loss(model: Eagle3Drafter, target_ids, features, labels, ttt_steps, cos_sin, weight=None):
+def ttt_loss(model: Eagle3Drafter, target_ids, features, labels, ttt_steps, cos_sin, weight=None,
+             positions=None, segment=None, weighted_rows_only=False, sums=False):
     """features [B, T, n*H] and the target's labels (:func:`draft_labels`, [B, T, k]) at positions
-    0..T-1 of target_ids [B, T]; ``weight [B, T]`` weighs each label row (None: all count).
-    Returns the summed loss and the top-1 accuracy of each step ``[ttt_steps]`` (no host
-    synchronization: it compiles as one graph)."""
+    0..T-1 of target_ids [B, T] (or at ``positions [B, T]``, records packed in ``segment [B, T]``:
+    :class:`PackedWindows`); ``weight [B, T]`` (0 or 1) weighs each label row (None: all count).
+    Returns the summed loss and the top-1 accuracy of each step ``[ttt_steps]``.
+    ``weighted_rows_only``: the draft logits only of the rows with weight (the same loss, without
+    the lm_head and softmax of the others; data-dependent shapes). Else no host synchronization:
+    it compiles as one graph. ``sums``: instead, per step the summed KL, the summed hits and the
+    summed weight (to average over many batches)."""
     B, T = target_ids.shape
     L = T - 1  # pair t = (feature t, token t+1) at position t predicts the target's row t+1
     x = model.fc(fc_input(model, features[:, :L]))
+    index = torch.arange(L, device=features.device)
+    base = index if positions is None else positions[:, :L]
+    seg = None if segment is None else segment[:, :L]
     past = [[] for _ in model.layers]
-    total, accuracies = 0.0, []
+    total, accuracies, summed = 0.0, [], []
     for step in range(ttt_steps):
-        index = torch.arange(L, device=features.device)
         source = (index + step + 1).clamp(max=T - 1)  # the token each pair carries
         count = L - step  # the pairs whose token t + step + 1 exists: indices 0 .. L - step - 1
-        logits, x_next, kv = ttt_step(model, x, target_ids[:, source], index + step, cos_sin, past)
+        h, kv = _ttt_layers(model, x, target_ids[:, source], base + step, cos_sin, past, seg)
         for layer_past, layer_kv in zip(past, kv):
             layer_past.append(layer_kv)
-        kl, hit = _kl_and_accuracy(logits[:, :count], tuple(t[:, source[:count]] for t in labels))
-        w = torch.ones_like(kl) if weight is None else weight[:, source[:count]]
+        z = _rms(h, model.norm.weight, model.config.rms_norm_eps)
+        step_labels = tuple(t[:, source[:count]] for t in labels)
+        w = torch.ones(B, count, device=h.device) if weight is None else weight[:, source[:count]]
+        if segment is not None:  # the chain of pairs t .. t + step + 1 inside one record
+            w = w * (segment[:, :count] == segment[:, source[:count]])
+        if weighted_rows_only:
+            rows = w > 0
+            kl, hit = _kl_and_accuracy(model.lm_head(z[:, :count][rows]), tuple(t[rows] for t in step_labels))
+            w = w[rows]
+        else:
+            kl, hit = _kl_and_accuracy(model.lm_head(z[:, :count]), step_labels)
         total = total + _weighted_mean(kl, w)
         accuracies.append(_weighted_mean(hit.float(), w))
-        x = x_next
+        summed.append(torch.stack([(kl * w).sum(), (hit.float() * w).sum(), w.sum()]))
+        x = z if model.config.norm_output else h
+    if sums:
+        return tuple(torch.stack(summed).T)
     return total, torch.stack(accuracies)
 
 
@@ -426,30 +628,88 @@ def parallel_loss(model: Eagle3Drafter, target_ids, features, labels, config: "T
     return total, torch.stack(accuracies)
 
 
-def _target_features(target, sequences, draft_ids, path: Path | None, progress: bool) -> TargetFeatures:
-    """TargetFeatures of the sequences, kept in ``path`` (None: not kept) and read from there when
-    they are of the same sequences and draft vocabulary (a resumed run does not compute them again)."""
+def _target_features(target, sequences, draft_ids, path: Path | None, progress: bool, capture=None) -> TargetFeatures:
+    """TargetFeatures of the sequences, kept in ``path`` (None: not kept; a manifest ``path.json``
+    beside it says what it holds) and read from there when they are of the same sequences and
+    draft vocabulary (a resumed run does not compute them again; a missing file is rebuilt).
+    ``capture``: a function (sequences, draft_ids) -> TargetFeatures in place of the target's
+    :meth:`TargetFeatures.compute`."""
     tokens, starts, trained = TargetFeatures.layout(sequences)
     keep = path is not None
     if keep and path.is_file():
-        state = torch.load(path, weights_only=True)
+        state = torch.load(path, weights_only=True, mmap=True)
         if all(torch.equal(state.pop(name), value) for name, value in
                (("tokens", tokens), ("starts", starts), ("draft_ids", draft_ids.cpu()))):
             return TargetFeatures(tokens, starts=starts, trained=trained, **state)
-    store = TargetFeatures.compute(target, sequences, draft_ids, progress=progress)
+    if capture is None:
+        store = TargetFeatures.compute(target, sequences, draft_ids, progress=progress)
+    else:
+        store = capture(sequences, draft_ids)
     if keep:
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(dict(store.state(), draft_ids=draft_ids.cpu()), path.with_suffix(".tmp"))
         path.with_suffix(".tmp").replace(path)
+        manifest = dict(records=len(sequences), tokens=len(tokens), trained_rows=int(trained.sum()),
+                        draft_vocab=len(draft_ids), feature_width=int(store.features.shape[1]),
+                        label_top_k=int(store.label_index.shape[1]), written=time.strftime("%Y-%m-%d %H:%M:%S"))
+        Path(str(path) + ".json").write_text(json.dumps(manifest, indent=1) + "\n")
     return store
 
 
+def _batched_capture(target_dir, aux_ids: list[int], device, progress: bool):
+    """:meth:`TargetFeatures.compute_batched` with the target's transformers model in bf16."""
+    def capture(sequences, draft_ids):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).to(device).eval()
+        return TargetFeatures.compute_batched(model, aux_ids, sequences, draft_ids, progress=progress)
+
+    return capture
+
+
+def warm_start(drafter: Eagle3Drafter, directory) -> None:
+    """Loads the weights of a drafter saved in ``directory`` (save_pretrained) into ``drafter``:
+    same architecture and draft vocabulary; its embeddings too if it has its own."""
+    from safetensors.torch import load_file
+
+    path = Path(directory) / "model.safetensors"
+    if not path.is_file():
+        raise FileNotFoundError(f"train_drafter: warm start: {path} not found")
+    saved = load_file(path)
+    own = drafter.state_dict()
+    if "d2t" in saved and "d2t" in own and not torch.equal(saved["d2t"].to(own["d2t"].dtype), own["d2t"]):
+        raise ValueError(f"train_drafter: warm start: {path} has another draft vocabulary than this data's")
+    shapes = {k: (tuple(v.shape), tuple(own[k].shape)) for k, v in saved.items() if k in own and v.shape != own[k].shape}
+    unknown = sorted(set(saved) - set(own))
+    if shapes or unknown:
+        raise ValueError(f"train_drafter: warm start: {path} does not fit this drafter: shapes {shapes}, "
+                         f"unknown tensors {unknown}")
+    with torch.no_grad():
+        for k, v in saved.items():
+            own[k].copy_(v.to(own[k].dtype))
+
+
+def draft_vocabulary(sequences: list[tuple[list[int], int]], vocab_size: int, size: int) -> tuple[Counter, torch.Tensor]:
+    """The token counts of what the drafter learns to draft (each sequence from its first trained
+    token on) and the draft vocabulary: the ``size`` most frequent, sorted (a small corpus padded
+    with unseen ids)."""
+    counts = Counter(t for ids, first in sequences for t in ids[max(first, 1):])
+    frequent = {t for t, _ in counts.most_common(size)}
+    unseen = (t for t in range(vocab_size) if t not in frequent)
+    return counts, torch.tensor(sorted(frequent | {next(unseen) for _ in range(size - len(frequent))}))
+
+
 def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: str = "cpu", progress: bool = True,
-                  features_file: Path | None = None):
+                  features_file: Path | None = None, init_from=None, evaluate=None, eval_every: int | None = None):
     """Trains a drafter for the causal LM in target_dir (a checkpoint ``load_target`` reads) and writes
     it (speculators format). The target's features are kept in ``features_file`` if given (runs with
     the same data and draft vocabulary share it; the caller removes it), else in out_dir/features.pt
-    while a checkpointed run is unfinished."""
+    while a checkpointed run is unfinished.
+
+    ``init_from``: a drafter directory to start from (a warm start: its weights, a fresh optimizer
+    and schedule). ``evaluate(drafter) -> dict`` runs every ``eval_every`` steps and at the end;
+    its results, with the step and the trained rows seen so far, go to history.json's
+    "evaluations"."""
     check_train_config(config)
     missing = [str(f) for f in data_files if not Path(f).is_file()]
     if missing:
@@ -474,17 +734,15 @@ def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: 
     stream = [t for ids, _ in sequences for t in ids]
     if len(stream) <= config.seq_len:
         raise ValueError(f"train_drafter: the data holds {len(stream)} tokens, fewer than seq_len + 1 = {config.seq_len + 1}")
-    counts = Counter(stream)
     vocab_size = tc.vocab_size
     draft_vocab = min(config.draft_vocab, vocab_size)
-    frequent = {t for t, _ in counts.most_common(draft_vocab)}
-    unseen = (t for t in range(vocab_size) if t not in frequent)  # pad a small corpus up to draft_vocab
-    frequent = sorted(frequent | {next(unseen) for _ in range(draft_vocab - len(frequent))})
-    draft_ids = torch.tensor(frequent, device=device)
+    _, draft_ids = draft_vocabulary(sequences, vocab_size, draft_vocab)
+    used = set(stream)
+    draft_ids = draft_ids.to(device)
     theta, scaling = rope_config(tc.to_dict(), default_theta=10000.0 if tc.model_type == "llama" else 1_000_000.0)
     # P-EAGLE's mask token: an id the data never uses (its embedding is learned), else the last.
     parallel = dict(parallel_drafting=True, speculative_tokens=config.parallel_depth,
-                    mask_token_id=next((t for t in reversed(range(vocab_size)) if t not in counts), vocab_size - 1),
+                    mask_token_id=next((t for t in reversed(range(vocab_size)) if t not in used), vocab_size - 1),
                     ) if config.parallel else dict(speculative_tokens=config.ttt_steps)
     dconfig = Eagle3Config(
         hidden_size=tc.hidden_size, num_attention_heads=tc.num_attention_heads,
@@ -502,6 +760,8 @@ def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: 
             drafter.t2d.zero_()
             drafter.t2d[draft_ids] = True
             drafter.lm_head.weight.copy_(target.get_output_embeddings().weight[draft_ids])
+    if init_from is not None:
+        warm_start(drafter, init_from)
     own = config.parallel if config.own_embeddings is None else config.own_embeddings
     drafter.embed_tokens.weight.requires_grad_(own)
     drafter.embeddings_borrowed = not own
@@ -513,11 +773,11 @@ def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: 
                                  dconfig.rope_theta, device=device, scaling=dconfig.rope_scaling)
     rng = random.Random(config.seed)  # the windows' draws
     nodes = torch.Generator().manual_seed(config.seed)
-    history, seconds_before = [], 0.0
+    history, seconds_before, rows_seen, evaluations, packer_state = [], 0.0, 0, [], None
     checkpoint = Path(out_dir) / "checkpoint.pt"
     if config.checkpoint_every is not None and checkpoint.is_file():
         state = torch.load(checkpoint, weights_only=False)
-        if state["config"] != config:
+        if dict(vars(state["config"]), steps=0) != dict(vars(config), steps=0):  # the total steps may change
             raise ValueError(f"train_drafter: {checkpoint} was written with another TrainConfig "
                              f"({state['config']}); remove it or train with that config")
         drafter.load_state_dict(state["drafter"])
@@ -528,28 +788,46 @@ def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: 
         torch.set_rng_state(state["torch"])
         history = state["history"]
         seconds_before = state["seconds"]
+        rows_seen, evaluations, packer_state = state.get("rows_seen", 0), state.get("evaluations", []), state.get("packer")
     if config.regenerate:
         windows = Windows(stream, config.seq_len, config.batch_size, rng)
         batches = regenerated_batches(target, windows, draft_ids, config.batch_size)
     else:
         own_file = Path(out_dir) / "features.pt" if config.checkpoint_every is not None else None
-        store = _target_features(target, sequences, draft_ids, features_file or own_file, progress)
-        batches = (store.sample(rng, config.batch_size, config.seq_len, device) for _ in iter(int, 1))
+        capture = _batched_capture(target_dir, aux_ids, device, progress) if config.capture_bf16 else None
+        store = _target_features(target, sequences, draft_ids, features_file or own_file, progress, capture)
+        if config.pack:
+            packer = PackedWindows(store, config.seq_len, config.batch_size, config.seed)
+            if packer_state is not None:
+                packer.load_state(packer_state)
+            batches = (packer.next(rng, device) for _ in iter(int, 1))
+        else:
+            batches = (store.sample(rng, config.batch_size, config.seq_len, device) for _ in iter(int, 1))
     if config.parallel:
         loss_fn = partial(parallel_loss, config=config, cos_sin=cos_sin, generator=nodes)
     else:
-        loss_fn = partial(ttt_loss, ttt_steps=config.ttt_steps, cos_sin=cos_sin)
+        loss_fn = partial(ttt_loss, ttt_steps=config.ttt_steps, cos_sin=cos_sin, weighted_rows_only=not config.compile)
         if config.compile:
             loss_fn = torch.compile(loss_fn)
     bar = tqdm(range(len(history), config.steps), desc="train-drafter", disable=not progress,
                initial=len(history), total=config.steps)
+    def evaluated(step: int) -> None:
+        if evaluate is not None and all(e["step"] != step for e in evaluations):
+            drafter.eval()
+            evaluations.append(dict(step=step, rows_seen=rows_seen, **evaluate(drafter)))
+            drafter.train()
+
     for step in bar:
-        ids, features, labels, weight = next(batches)
+        if eval_every is not None and step % eval_every == 0:
+            evaluated(step)
+        ids, features, labels, weight, *packing = next(batches)
+        rows_seen += int(weight.sum())
         if config.parallel and not history:  # start the mask slots' input at the mean feature
             with torch.no_grad():
                 drafter.mask_hidden.copy_(features.mean(dim=(0, 1), keepdim=True))
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=config.bf16):
-            loss, accuracies = loss_fn(drafter, ids, features, labels, weight=weight)
+            extra = dict(positions=packing[0], segment=packing[1]) if packing else {}
+            loss, accuracies = loss_fn(drafter, ids, features, labels, weight=weight, **extra)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -562,13 +840,17 @@ def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: 
             partial_file = checkpoint.with_suffix(".tmp")
             torch.save(dict(config=config, drafter=drafter.state_dict(), optimizer=optimizer.state_dict(),
                             schedule=schedule.state_dict(), windows=rng.getstate(), nodes=nodes.get_state(),
-                            torch=torch.get_rng_state(), history=history,
+                            torch=torch.get_rng_state(), history=history, rows_seen=rows_seen, evaluations=evaluations,
+                            drafter_config=dataclasses.asdict(dconfig), embeddings_borrowed=drafter.embeddings_borrowed,
+                            packer=packer.state() if config.pack and not config.regenerate else None,
                             seconds=seconds_before + time.perf_counter() - started), partial_file)
             partial_file.replace(checkpoint)  # a kill mid-write leaves the previous checkpoint
+    evaluated(config.steps)
     drafter.save_pretrained(out_dir)
     (Path(out_dir) / "features.pt").unlink(missing_ok=True)
     # The loss curve and the training time, the runs before a resume included.
     (Path(out_dir) / "history.json").write_text(json.dumps(
-        {"history": history, "seconds": seconds_before + time.perf_counter() - started}) + "\n")
+        {"history": history, "seconds": seconds_before + time.perf_counter() - started, "rows_seen": rows_seen,
+         "evaluations": evaluations}) + "\n")
     checkpoint.unlink(missing_ok=True)
     return drafter, history
