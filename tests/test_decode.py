@@ -557,3 +557,75 @@ def test_cpu_setup_keeps_freed_activations_mapped():
     # A few rounds first: a small allocation may split a freed block, and the next comes from fresh pages.
     faults = [faults_of_one_activation() for _ in range(6)]
     assert faults[-1] < 1024, faults  # of its 4096 pages (the rest: other allocations, threads)
+
+
+# ----------------------------------------------------------------------------- repetition penalty
+
+
+def penalized(logits, context, penalty):
+    """HF's rule, written out: each token of the context (prompt and output) has its logit divided
+    by the penalty where positive, multiplied where negative."""
+    out = logits.clone()
+    for t in set(context):
+        out[..., t] = out[..., t] / penalty if out[..., t] > 0 else out[..., t] * penalty
+    return out
+
+
+def test_repetition_penalty_is_transformers_and_speculation_keeps_it(hf_dir):
+    """Plain decoding with a repetition penalty is transformers' greedy generate with it; greedy
+    speculative decoding (chain and batch) returns the same tokens; the penalty changes them."""
+    target = NativeTarget.from_pretrained(hf_dir, aux_layer_ids=AUX)
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(hf_dir).eval()
+    plain = generate_plain(target, PROMPTS, 16, repetition_penalty=1.8)
+    for prompt, tokens in zip(PROMPTS, plain.tokens):
+        with torch.no_grad():
+            expected = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
+                                   repetition_penalty=1.8)[0, len(prompt):]
+        assert tokens == expected.tolist()
+    assert plain.tokens != generate_plain(target, PROMPTS, 16).tokens
+    for k in (1, 3):
+        spec = SpeculativeDecoder(target, make_drafter(), k).generate(PROMPTS, 16, repetition_penalty=1.8)
+        assert spec.tokens == plain.tokens, k
+
+
+def test_repetition_penalty_rows_count_the_drafts_before_them():
+    from qspec_ext.sampling import apply_repetition_penalty
+
+    logits = torch.tensor([[[2.0, -1.0, 3.0, 0.5]] * 3])
+    seen = torch.tensor([[False, True, False, False]])
+    out = apply_repetition_penalty(logits, seen, 2.0, drafts=torch.tensor([[2, 3]]))
+    assert out[0, 0].tolist() == [2.0, -2.0, 3.0, 0.5]
+    assert out[0, 1].tolist() == [2.0, -2.0, 1.5, 0.5]
+    assert out[0, 2].tolist() == [2.0, -2.0, 1.5, 0.25]
+    assert torch.equal(apply_repetition_penalty(logits, seen, 1.0), logits)
+
+
+def test_repetition_penalty_sampling_follows_the_penalized_law(tmp_path):
+    """Over many seeds, the first tokens of penalized sampled speculative decoding follow the law of
+    penalized sampled plain decoding (computed exactly), bonus tokens included."""
+    vocab, prompt, n, length, k, penalty = 6, [1, 2, 3], 3000, 3, 2, 1.7
+    hf = make_hf(vocab=vocab, seed=4, scale=4.0)
+    hf.save_pretrained(tmp_path)
+    target = NativeTarget.from_pretrained(tmp_path, aux_layer_ids=AUX)
+    law = {(): 1.0}
+    for _ in range(length):
+        prefixes = list(law)
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + list(c) for c in prefixes])).logits[:, -1]
+        law = {c + (t,): law[c] * float(q[t]) for c, row in zip(prefixes, logits)
+               for q in [filtered_distribution(penalized(row, prompt + list(c), penalty), 1.0, 4, None)]
+               for t in range(vocab) if q[t] > 0}
+    spec = SpeculativeDecoder(target, make_drafter(vocab=vocab), k).generate(
+        [prompt] * n, length, temperature=1.0, top_k=4, seed=3, repetition_penalty=penalty)
+    assert law_pvalue(spec.tokens, law) > 1e-3
+    assert spec.stats.accepted_per_position[k - 1] > 0, "some steps accepted every draft and drew a bonus token"
+
+
+def test_repetition_penalty_errors(hf_dir):
+    target = NativeTarget.from_pretrained(hf_dir, aux_layer_ids=AUX)
+    with pytest.raises(ValueError, match="generate_plain: repetition_penalty"):
+        generate_plain(target, PROMPTS, 4, repetition_penalty=0.0)
+    with pytest.raises(ValueError, match="does not run compiled"):
+        generate_plain(target, PROMPTS, 4, repetition_penalty=1.2, compile=True)
+    with pytest.raises(ValueError, match="not trees"):
+        SpeculativeDecoder(target, make_drafter(), 3, topk=2).generate(PROMPTS, 4, repetition_penalty=1.2)

@@ -123,6 +123,8 @@ def add_model_args(p: argparse.ArgumentParser, prompts: bool = True) -> None:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="HF / vLLM repetition penalty over the prompt and the output (1: none; eager, chains)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="fp32", choices=list(DTYPES))
     p.add_argument("--backend", choices=["auto", "native", "transformers"], default="auto",
@@ -140,7 +142,8 @@ def add_model_args(p: argparse.ArgumentParser, prompts: bool = True) -> None:
 
 
 def sampling_args(args) -> dict:
-    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                repetition_penalty=args.repetition_penalty)
 
 
 class TextStream:

@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .arguments import check_int, check_pair, check_prompts, check_sampling
+from .arguments import check_float, check_int, check_pair, check_prompts, check_sampling
 from .compiled import bucketed, check_compilable, compiled_method, compiled_step, compiling
 from .drafting import make_drafting
-from .sampling import apply_top_k_top_p
+from .drafting.tree import TreeDrafting
+from .sampling import apply_repetition_penalty, apply_top_k_top_p
 
 
 @dataclass
@@ -104,9 +105,18 @@ def in_batches(generate, prompts: list[list[int]], batch_size: int, warmup: bool
 
 
 class _Sampler:
-    """Picks the target's own tokens outside verification (the first token, plain decoding)."""
+    """Picks the target's own tokens outside verification (the first token, plain decoding), and
+    processes the target's logits: the repetition penalty (which needs the tokens each request has
+    seen: ``observe``), then temperature, top-k and top-p."""
 
-    def __init__(self, batch: int, temperature: float, top_k: int | None, top_p: float | None, seed: int, device):
+    def __init__(self, batch: int, temperature: float, top_k: int | None, top_p: float | None, seed: int, device,
+                 repetition_penalty: float = 1.0, prompts: list[list[int]] | None = None, vocab_size: int = 0):
+        self.repetition_penalty = repetition_penalty
+        self.seen = None
+        if repetition_penalty != 1.0:
+            self.seen = torch.zeros(batch, vocab_size, dtype=torch.bool, device=device)
+            for b, p in enumerate(prompts):
+                self.seen[b, torch.tensor(p, dtype=torch.long, device=device)] = True
         self.temperature = temperature
         self.max_top_k = top_k if top_k is not None and top_k > 0 else None
         self.top_k = None if top_k is None else torch.full((batch,), top_k, device=device)
@@ -118,13 +128,30 @@ class _Sampler:
         index = torch.tensor(rows, device=self.generators[0].device)
         self.top_k = None if self.top_k is None else self.top_k[index]
         self.top_p = None if self.top_p is None else self.top_p[index]
+        self.seen = None if self.seen is None else self.seen[index]
         self.generators = [self.generators[i] for i in rows]
+
+    def observe(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """Adds ``tokens [B, W]`` (where ``valid [B, W]``) to what each request has seen."""
+        if self.seen is None:
+            return
+        valid = torch.ones_like(tokens, dtype=torch.bool) if valid is None else valid
+        counts = torch.zeros(self.seen.shape, dtype=torch.int32, device=self.seen.device)
+        counts.scatter_add_(1, tokens.clamp(min=0), valid.to(torch.int32))
+        self.seen |= counts > 0
+
+    def penalize(self, logits: torch.Tensor, drafts: torch.Tensor | None = None) -> torch.Tensor:
+        """The repetition penalty (:func:`~qspec_ext.sampling.apply_repetition_penalty`)."""
+        if self.seen is None:
+            return logits
+        return apply_repetition_penalty(logits, self.seen, self.repetition_penalty, drafts)
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """logits / temperature, filtered; verify_sampling then runs at temperature 1."""
         return apply_top_k_top_p(logits.float() / self.temperature, self.top_k, self.top_p, self.max_top_k)
 
     def pick(self, logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B]
+        logits = self.penalize(logits)
         if self.temperature == 0.0:
             return logits.float().argmax(dim=-1)  # the same ids; torch's fp32 argmax is 2-4x its bf16 one on CPU
         probs = torch.softmax(self.process(logits), dim=-1)
@@ -146,6 +173,16 @@ def _check_call(where: str, target, prompts, max_new_tokens: int, extra: int, ma
             f"does not fit the cache of {max_length} positions"
         )
     return prompts, max_length, stop_ids
+
+
+def check_repetition_penalty(where: str, penalty, compile: bool, tree: bool = False) -> None:
+    check_float(where, "repetition_penalty", penalty, 0.0, low_open=True)
+    if penalty != 1.0 and compile:
+        raise ValueError(f"{where}: repetition_penalty={penalty} does not run compiled (compile=True); "
+                         f"use eager decoding or repetition_penalty=1.0")
+    if penalty != 1.0 and tree:
+        raise ValueError(f"{where}: repetition_penalty={penalty} runs with chain and parallel drafting, "
+                         f"not trees (topk > 1)")
 
 
 def _nothing_to_generate(prompts: list[list[int]]) -> "GenerateResult":
@@ -221,34 +258,39 @@ def _read_tokens(rows: torch.Tensor, stops: _StopIds, skip: int = 0) -> tuple[li
 def generate_plain(target, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
                    top_k: int | None = None, top_p: float | None = None,
                    eos_token_id: int | Sequence[int] | None = None, seed: int = 0, max_length: int | None = None,
-                   compile: bool = False, on_tokens: TokenCallback | None = None) -> GenerateResult:
+                   compile: bool = False, on_tokens: TokenCallback | None = None,
+                   repetition_penalty: float = 1.0) -> GenerateResult:
     """Ordinary decoding with the target alone (one forward per token): the baseline. Each
     request stops at max_new_tokens or after any of the ``eos_token_id`` ids; ``on_tokens``
-    streams each request's tokens as they come.
+    streams each request's tokens as they come. ``repetition_penalty`` (HF / vLLM semantics, over
+    the prompt and the output; 1: none) applies before temperature, top-k and top-p.
     ``compile``: the decode steps' target forward runs as static-shape graphs (compiled.py); the
     prompt prefill runs eagerly, packed."""
     if compile:
         check_compilable("generate_plain", target)
     prompts, max_length, stop_ids = _check_call("generate_plain", target, prompts, max_new_tokens, 1, max_length,
                                                 temperature, top_k, top_p, eos_token_id, seed)
+    check_repetition_penalty("generate_plain", repetition_penalty, compile)
     if max_new_tokens == 0:
         return _nothing_to_generate(prompts)
     with compiling(compile):
         return _generate_plain(target, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids, seed,
-                               max_length, compile, on_tokens)
+                               max_length, compile, on_tokens, repetition_penalty)
 
 
 def _generate_plain(target, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids, seed, max_length,
-                    compile, on_tokens) -> GenerateResult:
+                    compile, on_tokens, repetition_penalty) -> GenerateResult:
     device = target.device
     forward = compiled_method(target, "forward") if compile else target
     start = time.perf_counter()
     batch = len(prompts)
     target.setup(batch, bucketed(max_length, compile))
-    sampler = _Sampler(batch, temperature, top_k, top_p, seed, device)
+    sampler = _Sampler(batch, temperature, top_k, top_p, seed, device, repetition_penalty, prompts,
+                       target.config.vocab_size)
     stops = _StopIds(stop_ids, device)
     tokens, positions = _prefill_inputs(prompts, device)
     next_token = sampler.pick(target(tokens, positions, last_only=True))
+    sampler.observe(next_token[:, None])
     generated: list[list[int]] = [[] for _ in prompts]
     new, stop = _read_tokens(next_token[:, None], stops)
     done = [_finish(g, n, max_new_tokens, s, on_tokens, b) for b, (g, n, s) in enumerate(zip(generated, new, stop))]
@@ -266,6 +308,7 @@ def _generate_plain(target, prompts, max_new_tokens, temperature, top_k, top_p, 
         step_pos = torch.where(torch.tensor([done[r] for r in live], device=device), -1, position)[:, None]
         logits = forward(next_token[:, None], step_pos)[:, 0]
         next_token = sampler.pick(logits)
+        sampler.observe(next_token[:, None])
         new, stop = _read_tokens(next_token[:, None], stops)
         for i, r in enumerate(live):
             if not done[r]:
@@ -304,21 +347,25 @@ class SpeculativeDecoder:
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None,
                  eos_token_id: int | Sequence[int] | None = None, seed: int = 0,
-                 on_tokens: TokenCallback | None = None) -> GenerateResult:
+                 on_tokens: TokenCallback | None = None, repetition_penalty: float = 1.0) -> GenerateResult:
         """Tokens for each prompt, up to max_new_tokens or through the first of the
         ``eos_token_id`` ids (one, or several: an instruct model's list); a stop id inside an
         accepted run ends the request there. ``on_tokens(request, tokens)`` streams what each
-        step accepts."""
+        step accepts. ``repetition_penalty``: as :func:`generate_plain`'s (each verified row
+        counts the drafts before it: still exactly plain decoding's output, or its law when sampling)."""
         margin = self.drafting.cache_margin  # positions past the new tokens that drafts may use
         prompts, _, stop_ids = _check_call("SpeculativeDecoder.generate", self.target, prompts, max_new_tokens,
                                            margin, self.max_length, temperature, top_k, top_p, eos_token_id, seed)
+        check_repetition_penalty("SpeculativeDecoder.generate", repetition_penalty, self.compiled,
+                                 tree=isinstance(self.drafting, TreeDrafting))
         if max_new_tokens == 0:
             return _nothing_to_generate(prompts)
         with compiling(self.compiled):
-            return self._generate(prompts, max_new_tokens, temperature, top_k, top_p, stop_ids, seed, on_tokens)
+            return self._generate(prompts, max_new_tokens, temperature, top_k, top_p, stop_ids, seed, on_tokens,
+                                  repetition_penalty)
 
     def _generate(self, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids, seed,
-                  on_tokens) -> GenerateResult:
+                  on_tokens, repetition_penalty) -> GenerateResult:
         target, drafter, drafting = self.target, self.drafter, self.drafting
         margin = drafting.cache_margin
         device = drafter.device
@@ -328,7 +375,8 @@ class SpeculativeDecoder:
         cache_length = max(needed, min(bucketed(needed, self.compiled), self.max_length))
         target.setup(batch, cache_length)
         drafter.setup(batch, cache_length)
-        sampler = _Sampler(batch, temperature, top_k, top_p, seed, device)
+        sampler = _Sampler(batch, temperature, top_k, top_p, seed, device, repetition_penalty, prompts,
+                           target.config.vocab_size)
         stops = _StopIds(stop_ids, device)
         norm_mode, norm_weight = drafter.fc_norm_mode()
         eps = drafter.config.rms_norm_eps
@@ -339,6 +387,7 @@ class SpeculativeDecoder:
         # drafter's part counts as decode time (after first_token_time): plain decoding has none.
         tokens, positions = _prefill_inputs(prompts, device)
         first = sampler.pick(target(tokens, positions, last_only=True))
+        sampler.observe(first[:, None])
         generated: list[list[int]] = [[] for _ in prompts]
         new, stop = _read_tokens(first[:, None], stops)
         done = [_finish(g, n, max_new_tokens, s, on_tokens, b) for b, (g, n, s) in enumerate(zip(generated, new, stop))]
@@ -400,9 +449,11 @@ class SpeculativeDecoder:
         proposal = drafting.propose(torch.where(active, position, -1))
         tokens = torch.cat([last[:, None], proposal.draft_ids], dim=1)
         logits = target(tokens, torch.where(active[:, None], position[:, None] + proposal.depths, -1), tree=proposal.tree)
+        logits = sampler.penalize(logits, proposal.draft_ids)
         if seeds is not None:
             logits = sampler.process(logits)
         out, accepted, path = drafting.verify(proposal, logits, seeds, position + 1)
+        sampler.observe(out, torch.arange(out.shape[1], device=out.device) <= accepted[:, None])
         drafting.keep(proposal, path)
         # The drafter's next pairs: features of the accepted path [last, drafts...] with the
         # tokens after them, at consecutive positions (a fixed width: one shape per step).

@@ -1,4 +1,5 @@
-"""Logits processing for verify_sampling: top-k / top-p applied per request by masking to -inf."""
+"""Logits processing: top-k / top-p applied per request by masking to -inf (before verify_sampling),
+and the repetition penalty."""
 
 import torch
 
@@ -52,3 +53,22 @@ def apply_top_k_top_p(
         pth = sorted_logits.gather(-1, last)
         keep_threshold = torch.maximum(keep_threshold, pth)
     return logits.masked_fill(logits < keep_threshold, float("-inf"))
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float,
+                             drafts: torch.Tensor | None = None) -> torch.Tensor:
+    """HF's and vLLM's repetition penalty: the logit of every token already in the request (prompt
+    and output, ``seen [B, V]`` bool) divided by ``penalty`` where positive, multiplied where
+    negative. ``logits [B, V]``, or ``[B, R, V]`` for a chain being verified: row j follows the
+    drafts ``drafts [B, R-1]`` before it, which count as seen from row j on (so verification judges
+    each draft by the distribution plain decoding would have had there)."""
+    if penalty == 1.0:
+        return logits
+    if logits.dim() == 2:
+        mask = seen
+    else:
+        rows = logits.shape[1]
+        mask = seen[:, None, :].repeat(1, rows, 1)
+        for j in range(1, rows):
+            mask[:, j].scatter_(-1, drafts[:, :j], True)
+    return torch.where(mask, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
