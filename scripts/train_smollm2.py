@@ -5,6 +5,7 @@ a P-EAGLE drafter, both with a draft vocabulary of the answers' most frequent to
 
     python scripts/train_smollm2.py [--steps 1500] [--only chain|parallel]   # trains, or resumes
     python scripts/train_smollm2.py --export [--only chain|parallel]  # a running part's latest checkpoint, shipped
+    python scripts/train_smollm2.py --curve [--per-category 8]   # decode acceptance of the chain's snapshots
     python scripts/train_smollm2.py --smoke DIR      # 2 steps per part on 64 records, into DIR: does it run
 
 The target's features and labels come from its transformers model (bf16: AMX / AVX512-BF16 run it
@@ -13,9 +14,13 @@ several times faster than fp32) in one batched pass over the data, kept under th
 rebuilt when missing. The chain trains on windows of 1024 rows packed with whole records, its loss
 (KL to the target over the draft vocabulary) and draft logits on the answer rows only; bf16
 autocast where the CPU has AMX or AVX512-BF16 (without them bf16 is many times slower: fp32).
-Every --eval-every steps the drafter's teacher-forced accuracy on the held-out prompts' answers
+At steps 0, 25, 50, 100, 200, ... the drafter's teacher-forced accuracy on the held-out prompts' answers
 (heldout_answers.npz; never trained on) is logged, and a copy of the drafter is kept under
 build/smollm2-train/<part>/curve/ for the acceptance side of the learning curve.
+
+--curve decodes the held-out prompts (chat template, greedy, k = 3, 128 new tokens, bf16) with each
+kept snapshot and writes learning_curve.json / .png beside the shipped drafters: teacher-forced
+accuracy and decode acceptance against the answer tokens trained on.
 
 Resuming: on the same machine from build/smollm2-train/<part>/checkpoint.pt (every 25 steps,
 exact); on a new one from the shipped drafter and its training.json (a warm start: its weights,
@@ -157,10 +162,15 @@ def train_part(part: str, config: TrainConfig, data: Path, shipped: Path, evalua
         return result
 
     train_drafter(target_dir("smollm2"), [data], work, config, features_file=features_file(data, config),
-                  init_from=init, evaluate=evaluate_and_keep if part == "chain" else None, eval_every=ARGS.eval_every)
+                  init_from=init, evaluate=evaluate_and_keep if part == "chain" else None, eval_steps=eval_steps(config.steps))
     export(part, config, data, shipped, before)
     for name in ("checkpoint.pt", "before.json"):
         (work / name).unlink(missing_ok=True)
+
+
+def eval_steps(steps: int) -> set[int]:
+    """Log-spaced: 0, 25, 50, 100, 200, ... (and the end: the trainer's)."""
+    return {0} | {25 * 2**i for i in range(20) if 25 * 2**i < steps}
 
 
 def plot(shipped: Path) -> None:
@@ -194,22 +204,74 @@ def plot(shipped: Path) -> None:
     fig.savefig(shipped / "loss_curves.png", dpi=110)
 
 
+def learning_curve(shipped: Path, per_category: int) -> None:
+    """Decode acceptance (k = 3, greedy) of each snapshot beside its held-out teacher-forced accuracy."""
+    from qspec_ext import SpeculativeDecoder, load_target
+    from qspec_ext.models import Eagle3Drafter
+    from qspec_ext.prompts import CATEGORIES, heldout_prompts
+    from qspec_ext.text import chat_ids, stop_ids
+
+    directory = target_dir("smollm2")
+    record = json.loads((shipped / "draft" / "training.json").read_text())
+    snapshots = sorted((WORK / "chain" / "curve").glob("step-*"))
+    target = load_target("smollm2", dtype=torch.bfloat16)
+    stops = stop_ids(directory)
+    prompts = {c: [chat_ids(directory, [{"role": "user", "content": r["prompt"]}])
+                   for r in heldout_prompts(c)[:per_category]] for c in CATEGORIES}
+    rows = []
+    for snapshot, evaluation in zip(snapshots, record["evaluations"]):
+        drafter = Eagle3Drafter.from_pretrained(snapshot, dtype=torch.bfloat16, target=target)
+        decoder = SpeculativeDecoder(target, drafter, 3)
+        per = {}
+        for category, ids in prompts.items():
+            stats = decoder.generate(ids, 128, eos_token_id=stops).stats
+            per[category] = (stats.num_generated_tokens, stats.num_drafts, stats.num_accepted_tokens)
+        generated, drafts, accepted = (sum(v[i] for v in per.values()) for i in range(3))
+        rows.append(dict(step=evaluation["step"], rows_seen=evaluation["rows_seen"], accuracy=evaluation["accuracy"],
+                         kl=evaluation["kl"], acceptance_k3=1 + accepted / max(drafts, 1),
+                         per_category={c: 1 + v[2] / max(v[1], 1) for c, v in per.items()}))
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    (shipped / "learning_curve.json").write_text(json.dumps(rows, indent=1) + "\n")
+    print(f"| step | answer tokens trained on | held-out accuracy, positions 1 / 2 / 3 | acceptance length, k = 3 "
+          f"| {' | '.join(CATEGORIES)} |\n|---|---|---|---|{'---|' * len(CATEGORIES)}")
+    for r in rows:
+        print(f"| {r['step']} | {r['rows_seen']:,} | {' / '.join(f'{a:.3f}' for a in r['accuracy'])} | "
+              f"{r['acceptance_k3']:.2f} | " + " | ".join(f"{r['per_category'][c]:.2f}" for c in CATEGORIES) + " |")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    seen = [max(r["rows_seen"], 1) for r in rows]
+    for j in range(3):
+        ax.plot(seen, [r["accuracy"][j] for r in rows], "o-", label=f"teacher-forced accuracy, position {j + 1}")
+    ax.set(xscale="log", xlabel="answer tokens trained on (token-passes)", ylabel="accuracy")
+    right = ax.twinx()
+    right.plot(seen, [r["acceptance_k3"] for r in rows], "s--k", label="acceptance length, k = 3 (right)")
+    right.set_ylabel("tokens per target forward")
+    fig.legend(fontsize=7, loc="upper left", bbox_to_anchor=(0.1, 0.95))
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(shipped / "learning_curve.png", dpi=110)
+
+
 def main():
-    global ARGS
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=1500, help="steps per part (may grow between runs)")
     parser.add_argument("--only", choices=list(PARTS))
-    parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--out", type=Path, default=SMOLLM2_DIR, help="where the drafters go")
     parser.add_argument("--export", action="store_true", help="write the shipped drafters from the latest checkpoints")
+    parser.add_argument("--curve", action="store_true", help="decode acceptance of the chain's snapshots")
+    parser.add_argument("--per-category", type=int, default=8, help="--curve: held-out prompts per category")
     parser.add_argument("--smoke", metavar="DIR", help="2 steps per part on 64 records, written to DIR")
-    ARGS = parser.parse_args()
+    args = parser.parse_args()
     global WORK
-    shipped, data, steps = ARGS.out, ANSWERS, ARGS.steps
-    if ARGS.smoke:
+    shipped, data, steps = args.out, ANSWERS, args.steps
+    if args.smoke:
         import numpy as np
 
-        shipped, steps, ARGS.eval_every = Path(ARGS.smoke), 2, 1
+        shipped, steps = Path(args.smoke), 2
         WORK = shipped / "work"
         WORK.mkdir(parents=True, exist_ok=True)
         with np.load(ANSWERS) as z:
@@ -218,9 +280,11 @@ def main():
             np.savez(data, ids=z["ids"][:n], starts=z["starts"][:65], prompt_length=z["prompt_length"][:64])
     elif not ANSWERS.is_file():
         sys.exit(f"train_smollm2: {ANSWERS} not found: run scripts/make_smollm2_data.py")
-    parts = [ARGS.only] if ARGS.only else list(PARTS)
+    parts = [args.only] if args.only else list(PARTS)
     all_configs = configs(steps, cpu_has_fast_bf16())
-    if ARGS.export:
+    if args.curve:
+        return learning_curve(shipped, args.per_category)
+    if args.export:
         for part in parts:
             before = WORK / part / "before.json"
             export(part, all_configs[part], data, shipped, json.loads(before.read_text()) if before.is_file() else None)
@@ -230,7 +294,7 @@ def main():
         evaluate = heldout_evaluator(all_configs[part], data) if part == "chain" else None
         train_part(part, all_configs[part], data, shipped, evaluate)
         plot(shipped)
-    if ARGS.smoke:
+    if args.smoke:
         shutil.rmtree(WORK, ignore_errors=True)
 
 

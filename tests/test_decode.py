@@ -629,3 +629,20 @@ def test_repetition_penalty_errors(hf_dir):
         generate_plain(target, PROMPTS, 4, repetition_penalty=1.2, compile=True)
     with pytest.raises(ValueError, match="not trees"):
         SpeculativeDecoder(target, make_drafter(), 3, topk=2).generate(PROMPTS, 4, repetition_penalty=1.2)
+
+
+def test_top_k_top_p_sorting_only_the_top_k_gives_the_same_sets():
+    """max_top_k sorts only the k most likely tokens: the kept sets equal the full sort's, ties at
+    the k-th value (which count in top-p's mass) included."""
+    from qspec_ext.sampling import apply_top_k_top_p
+
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        logits = torch.randn(4, 2, 300, generator=generator)
+        if trial % 2:
+            logits = (logits * 2).round() / 2  # many ties
+        top_k = torch.randint(1, 30, (4,), generator=generator)
+        top_p = torch.rand(4, generator=generator) * 0.9 + 0.1
+        full = apply_top_k_top_p(logits, top_k, top_p)
+        assert torch.equal(apply_top_k_top_p(logits, top_k, top_p, max_top_k=30), full), trial
+        assert torch.equal(apply_top_k_top_p(logits, top_k, None, max_top_k=30), apply_top_k_top_p(logits, top_k, None))

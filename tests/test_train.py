@@ -711,7 +711,7 @@ def test_a_packed_run_resumes_with_its_feature_cache_gone(tiny_target, tmp_path,
 
         return evaluate_ttt(drafter, store, 2, length=64, batch_size=1)
 
-    files = dict(features_file=tmp_path / "cache" / "f.pt", evaluate=evaluate, eval_every=3, progress=False)
+    files = dict(features_file=tmp_path / "cache" / "f.pt", evaluate=evaluate, eval_steps={0, 3}, progress=False)
     whole, whole_history = train_drafter(tiny_target / "target", [tiny_target / "code.py"], tmp_path / "whole",
                                          config, **files)
     real_step, steps = torch.optim.AdamW.step, {"n": 0}

@@ -700,15 +700,15 @@ def draft_vocabulary(sequences: list[tuple[list[int], int]], vocab_size: int, si
 
 
 def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: str = "cpu", progress: bool = True,
-                  features_file: Path | None = None, init_from=None, evaluate=None, eval_every: int | None = None):
+                  features_file: Path | None = None, init_from=None, evaluate=None, eval_steps=()):
     """Trains a drafter for the causal LM in target_dir (a checkpoint ``load_target`` reads) and writes
     it (speculators format). The target's features are kept in ``features_file`` if given (runs with
     the same data and draft vocabulary share it; the caller removes it), else in out_dir/features.pt
     while a checkpointed run is unfinished.
 
     ``init_from``: a drafter directory to start from (a warm start: its weights, a fresh optimizer
-    and schedule). ``evaluate(drafter) -> dict`` runs every ``eval_every`` steps and at the end;
-    its results, with the step and the trained rows seen so far, go to history.json's
+    and schedule). ``evaluate(drafter) -> dict`` runs before each step in ``eval_steps`` and at the
+    end; its results, with the step and the trained rows seen so far, go to history.json's
     "evaluations"."""
     check_train_config(config)
     missing = [str(f) for f in data_files if not Path(f).is_file()]
@@ -818,7 +818,7 @@ def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: 
             drafter.train()
 
     for step in bar:
-        if eval_every is not None and step % eval_every == 0:
+        if step in eval_steps:
             evaluated(step)
         ids, features, labels, weight, *packing = next(batches)
         rows_seen += int(weight.sum())
