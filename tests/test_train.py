@@ -130,8 +130,8 @@ def test_cli_train_drafter_passes_its_flags_to_the_trainer(tmp_path, monkeypatch
 
     seen = {}
 
-    def fake_train_drafter(target, data, out, config, device):
-        seen.update(config=config, device=device)
+    def fake_train_drafter(target, data, out, config, device, init_from=None):
+        seen.update(config=config, device=device, init_from=init_from)
         return None, [(2.0, [0.1, 0.1]), (1.0, [0.5, 0.4])]
 
     monkeypatch.setattr(qspec_ext.train, "train_drafter", fake_train_drafter)
@@ -141,6 +141,9 @@ def test_cli_train_drafter_passes_its_flags_to_the_trainer(tmp_path, monkeypatch
     assert main(base + ["--bf16", "--compile", "--regenerate", "--steps", "7"]) == 0
     config = seen["config"]
     assert config.bf16 and config.compile and config.regenerate and config.steps == 7
+    assert not config.pack and not config.capture_bf16 and seen["init_from"] is None
+    assert main(base + ["--pack", "--capture-bf16", "--init-from", "DIR"]) == 0
+    assert seen["config"].pack and seen["config"].capture_bf16 and seen["init_from"] == "DIR"
     assert "loss 2.000 -> 1.000; accuracy per step 0.50 0.40" in capsys.readouterr().out
 
 

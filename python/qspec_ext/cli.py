@@ -357,8 +357,8 @@ def cmd_train_drafter(args) -> int:
                          batch_size=args.batch_size, lr=args.lr, seed=args.seed, parallel=args.parallel,
                          parallel_depth=args.depth, cod_ratio=args.cod_ratio, cod_floor=args.cod_floor,
                          regenerate=args.regenerate, aux_layer_ids=args.aux_layers, bf16=args.bf16,
-                         compile=args.compile)
-    _, history = train_drafter(args.target, args.data, args.out, config, device=args.device)
+                         compile=args.compile, pack=args.pack, capture_bf16=args.capture_bf16)
+    _, history = train_drafter(args.target, args.data, args.out, config, device=args.device, init_from=args.init_from)
     first, last = history[0], history[-1]
     print(f"loss {first[0]:.3f} -> {last[0]:.3f}; accuracy per {'depth' if args.parallel else 'step'} "
           f"{' '.join(f'{a:.2f}' for a in last[1])}; wrote {args.out}")
@@ -401,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     train = commands.add_parser("train-drafter", help="train an EAGLE-3 drafter for a target on local text")
     train.add_argument("--target", required=True, help="transformers causal LM directory with tokenizer.json")
     train.add_argument("--data", nargs="+", required=True,
-                       help="text files, or .jsonl files of token ids (\"ids\", optional \"prompt_length\") to train on")
+                       help="text files, .jsonl files of token ids (\"ids\", optional \"prompt_length\") or .npz "
+                            "files (ids, starts, prompt_length: scripts/make_smollm2_data.py's) to train on")
     train.add_argument("--out", required=True)
     train.add_argument("--steps", type=int, default=300)
     train.add_argument("--ttt-steps", type=int, default=3)
@@ -425,6 +426,11 @@ def main(argv: list[str] | None = None) -> int:
                        help="the drafter's forward and backward in bf16 autocast (fp32 weights and optimizer); "
                             "on a CPU without AVX-512 bf16 far slower than fp32")
     train.add_argument("--compile", action="store_true", help="the chain drafter's TTT loss as one compiled graph")
+    train.add_argument("--pack", action="store_true",
+                       help="chain: windows packed with whole records, each from position 0 (little padding)")
+    train.add_argument("--capture-bf16", action="store_true",
+                       help="the target's features from its transformers model in bf16, many records a forward")
+    train.add_argument("--init-from", metavar="DIR", help="a drafter to start from (same shape and draft vocabulary)")
     train.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     train.set_defaults(run=cmd_train_drafter)
     args = parser.parse_args(argv)
