@@ -346,7 +346,7 @@ def cmd_demo(args) -> int:
     from .demo import run_demo
 
     return run_demo(pair=args.pair, quick=args.quick, device=args.device, max_new_tokens=args.max_new_tokens,
-                    ks=args.k, compile=args.compile)
+                    ks=args.k, compile=args.compile, rounds=args.rounds)
 
 
 def cmd_train_drafter(args) -> int:
@@ -397,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("-k", type=int, nargs="+", default=None, help="draft lengths (default 1..5)")
     demo.add_argument("--device", default="cpu")
     demo.add_argument("--compile", action="store_true", help="compiled static-shape decode steps")
+    demo.add_argument("--rounds", type=int, default=None,
+                      help="interleaved timing rounds, medians reported (default 3; 1 with --quick)")
     demo.set_defaults(run=cmd_demo)
     train = commands.add_parser("train-drafter", help="train an EAGLE-3 drafter for a target on local text")
     train.add_argument("--target", required=True, help="transformers causal LM directory with tokenizer.json")

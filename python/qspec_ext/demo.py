@@ -79,12 +79,15 @@ def demo_requests(pair: str, count: int) -> tuple[list[str], list[list[int]], li
 
 
 def run_demo(pair: str = "smollm2", quick: bool = False, device: str = "cpu", max_new_tokens: int | None = None,
-             ks: list[int] | None = None, compile: bool = False) -> int:
+             ks: list[int] | None = None, compile: bool = False, rounds: int | None = None) -> int:
     """Loads a named pair (target, chain drafter, P-EAGLE drafter where one is shipped), decodes
     its demo requests one at a time with and without speculation, checks the greedy outputs are
     identical, prints the text and chain and parallel drafting side by side: acceptance and speed
-    by k. ``compile``: compiled decode steps, each configuration timed after an untimed run that
-    compiles it."""
+    by k, each configuration timed in ``rounds`` interleaved rounds (plain, then every
+    configuration, again; default 3, 1 with ``quick``): the median tokens/s and the median of the
+    rounds' speed-ups, so that one slow run does not decide a row. ``compile``: compiled decode
+    steps, each configuration timed after an untimed run that compiles it."""
+    import statistics
     from functools import partial
 
     from .decode import SpeculativeDecoder, generate_plain, in_batches
@@ -114,9 +117,19 @@ def run_demo(pair: str = "smollm2", quick: bool = False, device: str = "cpu", ma
     # One request at a time: the single-stream latency speculative decoding is for.
     timed = partial(in_batches, prompts=prompts, batch_size=1, warmup=compile, max_new_tokens=new_tokens,
                     eos_token_id=stops)
-    plain = timed(partial(generate_plain, target, compile=compile))
-    runs = {(kind, k): timed(SpeculativeDecoder(target, drafter, k, compile=compile).generate)
-            for kind, drafter in drafters.items() for k in ks}
+    configs = {("plain", 0): partial(generate_plain, target, compile=compile)}
+    configs |= {(kind, k): SpeculativeDecoder(target, drafter, k, compile=compile).generate
+                for kind, drafter in drafters.items() for k in ks}
+    rounds = rounds or (1 if quick else 3)
+    rates: dict = {name: [] for name in configs}
+    for _ in range(rounds):
+        results = {name: timed(run) for name, run in configs.items()}
+        for name, result in results.items():
+            rates[name].append(result.stats.tokens_per_second)
+    plain = results.pop(("plain", 0))
+    runs = results
+    speed = {name: statistics.median(r) for name, r in rates.items()}
+    speedup = {name: statistics.median(a / b for a, b in zip(r, rates["plain", 0])) for name, r in rates.items()}
     for text, ids in zip(texts, plain.tokens):
         print("=" * 72)
         if stops is None:
@@ -128,20 +141,21 @@ def run_demo(pair: str = "smollm2", quick: bool = False, device: str = "cpu", ma
     print("=" * 72)
     identical = all(run.tokens == plain.tokens for run in runs.values())
     print(f"greedy speculative output identical to plain decoding: {'yes' if identical else 'NO'}")
-    print(f"plain decoding: {plain.stats.tokens_per_second:.1f} tokens/s (one request at a time)"
+    print(f"plain decoding: {speed['plain', 0]:.1f} tokens/s (one request at a time; medians of {rounds} "
+          f"interleaved round{'s' if rounds > 1 else ''})"
           + (f"; compiled steps (compile time {sum(r.stats.compile_time for r in [plain, *runs.values()]):.0f} s, "
              f"untimed)"
              if compile else ""))
     header = "".join(f"  {kind + ': accept len':>20}  {'tokens/s':>8}  {'speed-up':>8}" for kind in drafters)
     print(f"{'k':>2}{header}")
     for k in ks:
-        cells = "".join(f"  {runs[kind, k].stats.mean_acceptance_length:>20.2f}  "
-                        f"{runs[kind, k].stats.tokens_per_second:>8.1f}  "
-                        f"{runs[kind, k].stats.tokens_per_second / plain.stats.tokens_per_second:>7.2f}x"
-                        for kind in drafters)
+        cells = "".join(f"  {runs[kind, k].stats.mean_acceptance_length:>20.2f}  {speed[kind, k]:>8.1f}  "
+                        f"{speedup[kind, k]:>7.2f}x" for kind in drafters)
         print(f"{k:>2}{cells}")
+    best_name = max(runs, key=lambda name: speedup[name])
+    print(f"best: {best_name[0]} drafting at k = {best_name[1]}, {speedup[best_name]:.2f}x plain decoding")
     for kind in drafters:
-        best = max(ks, key=lambda k: runs[kind, k].stats.tokens_per_second)
+        best = max(ks, key=lambda k: speedup[kind, k])
         per = " ".join(f"{a:.2f}" for a in runs[kind, best].stats.acceptance_rate_per_position)
         print(f"{kind} drafting, best k = {best}: acceptance at draft position 1..{best}: {per}")
     return 0 if identical else 1
