@@ -2,8 +2,9 @@
 (qspec_ext/prompts/heldout.jsonl: coding, math, summarization, chat; disjoint from training).
 
     python benchmarks/bench_smollm2.py acceptance [-k 1 3 5 7] [--per-category 21] [--max-new-tokens 128]
-        [--greedy-only] [--drafters DIR ...]   # e.g. python/qspec_ext/smollm2_pair build/smollm2-new
+        [--greedy-only] [--drafters DIR ...] [--dtypes bf16]   # the first of --dtypes (default fp32)
     python benchmarks/bench_smollm2.py speed [--batch 1 4] [--prompts 8] [--rounds 3] [-k 3 5]
+        [--drafting chain parallel tree --topk 2]
     python benchmarks/bench_smollm2.py memory [--dtypes fp32 bf16] [--batch 1 4] [--prompts 8] [-k 3]
     (all: [--drafting chain parallel] [--json PATH])
 
@@ -63,7 +64,8 @@ def acceptance(args) -> list[dict]:
     modes = [("greedy", {}), ("sampled", SAMPLING)][:1 if args.greedy_only else 2]
     for name, directory in drafters:
         for drafting in args.drafting:
-            target, drafter = load_pair("smollm2", directory / ("draft-parallel" if drafting == "parallel" else "draft"))
+            target, drafter = load_pair("smollm2", directory / ("draft-parallel" if drafting == "parallel" else "draft"),
+                                        dtype=args.dtypes[0])
             for category in CATEGORIES:
                 prompts = requests(category, args.per_category)
                 for mode, sampling in modes:
@@ -102,11 +104,12 @@ def speed(args) -> list[dict]:
             configs[name] = (dtype, compiled, lambda p, t=target, c=compiled: generate_plain(
                 t, p, args.max_new_tokens, eos_token_id=stops, compile=c))
         for drafting in args.drafting:
-            drafter = chain if drafting == "chain" else load_pair(
+            drafter = chain if drafting in ("chain", "tree") else load_pair(
                 "smollm2", drafter_dir("smollm2", parallel=True), dtype=dtype)[1]
             for k in args.k:
-                decoder = SpeculativeDecoder(target, drafter, k)
-                configs[f"{drafting} k={k} {dtype} eager"] = (dtype, False, lambda p, d=decoder: d.generate(
+                decoder = SpeculativeDecoder(target, drafter, k, topk=args.topk if drafting == "tree" else 1)
+                name = f"tree k={k} topk={args.topk}" if drafting == "tree" else f"{drafting} k={k}"
+                configs[f"{name} {dtype} eager"] = (dtype, False, lambda p, d=decoder: d.generate(
                     p, args.max_new_tokens, eos_token_id=stops))
     results = {}  # (name, batch) -> [tokens/s per round]
     tokens = {}
@@ -213,7 +216,9 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["acceptance", "speed", "memory"])
     parser.add_argument("-k", type=int, nargs="+", default=None)
-    parser.add_argument("--drafting", nargs="+", choices=["chain", "parallel"], default=["chain"])
+    parser.add_argument("--drafting", nargs="+", choices=["chain", "parallel", "tree"], default=["chain"],
+                        help="tree (speed only): EAGLE-2 trees of depth k from the chain drafter, --topk children")
+    parser.add_argument("--topk", type=int, default=2, help="tree drafting: children per node")
     parser.add_argument("--per-category", type=int, default=21)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
