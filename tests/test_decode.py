@@ -646,3 +646,28 @@ def test_top_k_top_p_sorting_only_the_top_k_gives_the_same_sets():
         full = apply_top_k_top_p(logits, top_k, top_p)
         assert torch.equal(apply_top_k_top_p(logits, top_k, top_p, max_top_k=30), full), trial
         assert torch.equal(apply_top_k_top_p(logits, top_k, None, max_top_k=30), apply_top_k_top_p(logits, top_k, None))
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["chain", "parallel"])
+def test_drafts_carry_the_repetition_penalty(hf_dir, parallel):
+    """Under a repetition penalty the drafter's logits are penalized as the target's will be: with
+    an overwhelming penalty no draft repeats a token the request has seen, nor (chains) one drafted
+    before it in the step; the output still equals plain decoding's."""
+    target = NativeTarget.from_pretrained(hf_dir, aux_layer_ids=AUX)
+    drafter = make_drafter(parallel_drafting=True, mask_token_id=0, speculative_tokens=3) if parallel else make_drafter()
+    real, drafted = drafter.draft, []
+
+    def recorded(k, return_probs=False, parallel=None, penalty=None):
+        out = real(k, return_probs, parallel, penalty)
+        drafted.append((out[0].clone(), penalty[1].clone()))
+        return out
+
+    drafter.draft = recorded
+    prompts = [list(range(5, 60)), list(range(10, 50))]  # 55 and 40 of the 97 tokens seen from the start
+    spec = SpeculativeDecoder(target, drafter, 3).generate(prompts, 12, repetition_penalty=1e4)
+    assert spec.tokens == generate_plain(target, prompts, 12, repetition_penalty=1e4).tokens
+    assert drafted
+    for drafts, seen in drafted:
+        assert not seen.gather(1, drafts).any(), "a draft repeats a token seen before the step"
+        if not parallel:
+            assert all(len(set(row)) == len(row) for row in drafts.tolist()), "a chain repeats its own draft"

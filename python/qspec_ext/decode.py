@@ -140,6 +140,10 @@ class _Sampler:
         counts.scatter_add_(1, tokens.clamp(min=0), valid.to(torch.int32))
         self.seen |= counts > 0
 
+    def draft_penalty(self) -> tuple[float, torch.Tensor]:
+        """What a drafter needs to penalize its drafts as the target's rows will be."""
+        return self.repetition_penalty, self.seen
+
     def penalize(self, logits: torch.Tensor, drafts: torch.Tensor | None = None) -> torch.Tensor:
         """The repetition penalty (:func:`~qspec_ext.sampling.apply_repetition_penalty`)."""
         if self.seen is None:
@@ -446,7 +450,8 @@ class SpeculativeDecoder:
         Returns (out_ids, num_accepted, the new last token, its position); ``top`` bounds the
         positions the drafter's prefill writes (None: unchecked)."""
         target, drafter, drafting = self.target, self.drafter, self.drafting
-        proposal = drafting.propose(torch.where(active, position, -1))
+        root = torch.where(active, position, -1)
+        proposal = drafting.propose(root) if sampler.seen is None else drafting.propose(root, sampler.draft_penalty())
         tokens = torch.cat([last[:, None], proposal.draft_ids], dim=1)
         logits = target(tokens, torch.where(active[:, None], position[:, None] + proposal.depths, -1), tree=proposal.tree)
         logits = sampler.penalize(logits, proposal.draft_ids)

@@ -61,11 +61,11 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
     and output, ``seen [B, V]`` bool) divided by ``penalty`` where positive, multiplied where
     negative. ``logits [B, V]``, or ``[B, R, V]`` for a chain being verified: row j follows the
     drafts ``drafts [B, R-1]`` before it, which count as seen from row j on (so verification judges
-    each draft by the distribution plain decoding would have had there)."""
+    each draft by the distribution plain decoding would have had there; no drafts: every row alike)."""
     if penalty == 1.0:
         return logits
-    if logits.dim() == 2:
-        mask = seen
+    if logits.dim() == 2 or drafts is None:
+        mask = seen if logits.dim() == 2 else seen[:, None, :]
     else:
         rows = logits.shape[1]
         mask = seen[:, None, :].repeat(1, rows, 1)

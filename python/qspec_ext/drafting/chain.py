@@ -31,14 +31,15 @@ class ChainDrafting:
         self.num_draft_tokens = k
         self.cache_margin = 2 * k  # k accepted past the last new token, then k - 1 drafted beyond
 
-    def draft(self) -> torch.Tensor:
-        return self.drafter.draft(self.k, parallel=False)[0]
+    def draft(self, penalty=None) -> torch.Tensor:
+        return self.drafter.draft(self.k, parallel=False, penalty=penalty)[0]
 
-    def propose(self, root: torch.Tensor) -> Proposal:
-        """root [B]: the position of each request's last verified token (-1: inactive)."""
+    def propose(self, root: torch.Tensor, penalty=None) -> Proposal:
+        """root [B]: the position of each request's last verified token (-1: inactive);
+        ``penalty``: (repetition penalty, seen tokens [B, V]) for the drafts (Eagle3Drafter.draft)."""
         # Made afresh each step: a tensor kept from one compiled step to the next would be a
         # CUDA graph's output that a later replay may overwrite.
-        return Proposal(self.draft(), torch.arange(self.k + 1, device=root.device)[None])
+        return Proposal(self.draft(penalty), torch.arange(self.k + 1, device=root.device)[None])
 
     def verify(self, proposal: Proposal, logits: torch.Tensor, seeds: torch.Tensor | None,
                offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

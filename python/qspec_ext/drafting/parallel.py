@@ -9,5 +9,5 @@ from .chain import ChainDrafting
 class ParallelDrafting(ChainDrafting):
     kind = "parallel"
 
-    def draft(self) -> torch.Tensor:
-        return self.drafter.draft(self.k, parallel=True)[0]
+    def draft(self, penalty=None) -> torch.Tensor:
+        return self.drafter.draft(self.k, parallel=True, penalty=penalty)[0]

@@ -25,6 +25,7 @@ from torch import nn
 from .. import ops, reference
 from ..arguments import check_load
 from ..rope import rope_config, rope_parameters
+from ..sampling import apply_repetition_penalty
 from .checkpoint import CheckpointError, check_tensors, load_tensors, read_config, resolve_checkpoint, save_tensors
 from .layers import (MLP, Attention, CachedPositions, RMSNormWeight, TreeAttention, keep_requests, static_caches,
                      static_cos_sin)
@@ -432,15 +433,18 @@ class Eagle3Drafter(nn.Module):
         return logits
 
     @torch.no_grad()
-    def draft(self, k: int, return_probs: bool = False,
-              parallel: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def draft(self, k: int, return_probs: bool = False, parallel: bool | None = None,
+              penalty: tuple[float, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """k greedy draft tokens per request (target-vocab ids ``[B, k]``) and, if asked, the
         draft distributions ``[B, k, Vd]`` they were taken from. Writes the drafts' K/V at the
         positions after the last prefilled pair; the next prefill overwrites them.
 
         A chain drafter runs k - 1 sequential steps, each fed the previous draft; a P-EAGLE
         drafter (``config.parallel_drafting``) runs one forward over k - 1 mask slots.
-        ``parallel`` (default: the drafter's kind) must match the drafter."""
+        ``parallel`` (default: the drafter's kind) must match the drafter. ``penalty``: (a
+        repetition penalty, the tokens each request has seen ``[B, V]`` bool): the draft logits get
+        the penalty the target's will get in verification, of the tokens seen and (chains) drafted
+        before them, so drafts follow what a penalized target picks."""
         c = self.config
         parallel = c.parallel_drafting if parallel is None else parallel
         if parallel != c.parallel_drafting:
@@ -452,26 +456,39 @@ class Eagle3Drafter(nn.Module):
             raise ValueError(
                 f"Eagle3Drafter.draft: {k} drafts from position {self.max_next_position} overrun the cache "
                 f"({self.max_length})")
-        logits = self.draft_parallel(k) if parallel else self.draft_chain(k)
+        if penalty is not None:  # the seen tokens of the draft vocabulary
+            vocab = torch.arange(c.draft_vocab_size, device=penalty[1].device)
+            penalty = (penalty[0], penalty[1][:, self.draft_to_target(vocab)])
+        logits = self.draft_parallel(k, penalty) if parallel else self.draft_chain(k, penalty)
         drafts = self.draft_to_target(logits.argmax(dim=-1))
         return drafts, torch.softmax(logits, dim=-1) if return_probs else None
 
-    def draft_chain(self, k: int) -> torch.Tensor:
-        """The logits [B, k, Vd] of k sequential draft steps."""
+    def draft_chain(self, k: int, penalty: tuple[float, torch.Tensor] | None = None) -> torch.Tensor:
+        """The logits [B, k, Vd] of k sequential draft steps; ``penalty``: (repetition penalty, the
+        seen draft-vocabulary tokens [B, Vd]), each step's drafted token seen by the next steps."""
         logits, hidden, position = self.state.logits, self.state.hidden, self.state.next_position
+        factor, seen = penalty if penalty is not None else (1.0, None)
         # Copied out at each step: a compiled step (a CUDA graph) reuses its output buffers.
         rows = logits.new_empty(logits.shape[0], k, logits.shape[1])
-        rows[:, 0] = logits
+        rows[:, 0] = logits = logits if seen is None else apply_repetition_penalty(logits, seen, factor)
         for i in range(1, k):
-            token = self.draft_to_target(logits.argmax(dim=-1))
+            choice = logits.argmax(dim=-1)
+            if seen is not None:
+                seen = seen.scatter(1, choice[:, None], True)
+            token = self.draft_to_target(choice)
             step_logits, hidden = self(hidden[:, None], token[:, None], position[:, None], from_features=False)
-            rows[:, i] = logits = step_logits[:, 0]
+            logits = step_logits[:, 0]
+            rows[:, i] = logits = logits if seen is None else apply_repetition_penalty(logits, seen, factor)
             hidden, position = hidden[:, 0], position + 1
         return rows
 
-    def draft_parallel(self, k: int) -> torch.Tensor:
+    def draft_parallel(self, k: int, penalty: tuple[float, torch.Tensor] | None = None) -> torch.Tensor:
         """The logits [B, k, Vd] of one P-EAGLE forward: the last prefilled pair gives draft 1,
-        mask slots at the k - 1 next positions give drafts 2..k."""
+        mask slots at the k - 1 next positions give drafts 2..k. ``penalty``: as
+        :meth:`draft_chain`'s, of the tokens seen before the step (not the step's own drafts)."""
+        if penalty is not None:
+            logits = self.draft_parallel(k)
+            return apply_repetition_penalty(logits, penalty[1], penalty[0])
         first = self.state.logits[:, None]
         if k == 1:
             return first
