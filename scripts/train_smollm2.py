@@ -1,5 +1,6 @@
 """Trains SmolLM2-135M-Instruct's shipped drafters on the target's own answers
-(scripts/make_smollm2_data.py: data/smollm2/answers.npz), speculators' EAGLE 3.1 way: a Qwen3
+(scripts/make_smollm2_data.py: data/smollm2/answers.npz, and answers-v1.npz, the first data set),
+speculators' EAGLE 3.1 way: a Qwen3
 chain drafter with fc_norm (per-chunk norms of the aux features before fc), TTT over 3 steps, and
 a P-EAGLE drafter, both with a draft vocabulary of the answers' most frequent tokens.
 
@@ -45,7 +46,9 @@ from qspec_ext.train import (TrainConfig, _batched_capture, _target_features, dr
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data" / "smollm2"
-ANSWERS, HELDOUT = DATA / "answers.npz", DATA / "heldout_answers.npz"
+# The first data set (2026-12-03: Magpie chat, stdlib coding, templated math, docstring summaries) and
+# the second (balanced over the held-out categories, target-written passages to summarize).
+ANSWERS, HELDOUT = [DATA / "answers-v1.npz", DATA / "answers.npz"], DATA / "heldout_answers.npz"
 WORK = REPO / "build" / "smollm2-train"
 PARTS = {"chain": "draft", "parallel": "draft-parallel"}
 
@@ -63,22 +66,25 @@ def configs(steps: int, bf16: bool) -> dict[str, TrainConfig]:
                                     **common)}
 
 
-def file_hash(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+def file_hash(paths) -> str:
+    digest = hashlib.sha256()
+    for path in [paths] if isinstance(paths, Path) else paths:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
-def features_file(data: Path, config: TrainConfig) -> Path:
+def features_file(data: list[Path], config: TrainConfig) -> Path:
     """Under the user cache, named by the data and what the features hold."""
     key = hashlib.sha256(f"{file_hash(data)} {config.draft_vocab} {config.aux_layer_ids} bf16-hf v1".encode()).hexdigest()
     return cache_root() / "train-features" / f"smollm2-{key[:16]}.pt"
 
 
-def heldout_evaluator(config: TrainConfig, data: Path):
+def heldout_evaluator(config: TrainConfig, data: list[Path]):
     """evaluate(drafter) -> held-out teacher-forced KL and accuracy per TTT step (3 steps)."""
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(target_dir("smollm2")).vocab_size
-    _, draft_ids = draft_vocabulary(npz_records(data), vocab, config.draft_vocab)
+    _, draft_ids = draft_vocabulary([r for path in data for r in npz_records(path)], vocab, config.draft_vocab)
     records = npz_records(HELDOUT)
     key = hashlib.sha256(f"{file_hash(HELDOUT)} {draft_ids.tolist()}".encode()).hexdigest()[:16]
     store = _target_features(None, records, draft_ids, cache_root() / "train-features" / f"heldout-{key}.pt", False,
@@ -90,17 +96,17 @@ def heldout_evaluator(config: TrainConfig, data: Path):
     return evaluate
 
 
-def training_record(work: Path, config: TrainConfig, data: Path) -> dict:
+def training_record(work: Path, config: TrainConfig, data: list[Path]) -> dict:
     """What the shipped drafter's training.json keeps: enough to plot it and to resume from it."""
     state = torch.load(work / "checkpoint.pt", weights_only=False) if (work / "checkpoint.pt").is_file() else None
     history = json.loads((work / "history.json").read_text()) if state is None else dict(
         history=state["history"], seconds=state["seconds"], rows_seen=state["rows_seen"],
         evaluations=state["evaluations"])
-    return dict(config=dict(vars(config)), data=dict(file=data.name, sha256_16=file_hash(data)),
+    return dict(config=dict(vars(config)), data=dict(files=[p.name for p in data], sha256_16=file_hash(data)),
                 steps_done=len(history["history"]), **history)
 
 
-def export(part: str, config: TrainConfig, data: Path, shipped: Path, before: dict | None) -> None:
+def export(part: str, config: TrainConfig, data: list[Path], shipped: Path, before: dict | None) -> None:
     """The part's drafter (bf16, embeddings borrowed) and training.json into the shipped directory,
     from its finished run or its latest checkpoint; ``before``: an earlier session's record this run
     continued (warm start), whose history comes first."""
@@ -131,7 +137,7 @@ def export(part: str, config: TrainConfig, data: Path, shipped: Path, before: di
     print(f"{part}: step {record['steps_done']} exported to {out}", file=sys.stderr)
 
 
-def train_part(part: str, config: TrainConfig, data: Path, shipped: Path, evaluate) -> None:
+def train_part(part: str, config: TrainConfig, data: list[Path], shipped: Path, evaluate) -> None:
     work = WORK / part
     out = shipped / PARTS[part]
     record = json.loads((out / "training.json").read_text()) if (out / "training.json").is_file() else None
@@ -161,7 +167,7 @@ def train_part(part: str, config: TrainConfig, data: Path, shipped: Path, evalua
         print(f"{part}: held-out {json.dumps(result)}", file=sys.stderr, flush=True)
         return result
 
-    train_drafter(target_dir("smollm2"), [data], work, config, features_file=features_file(data, config),
+    train_drafter(target_dir("smollm2"), data, work, config, features_file=features_file(data, config),
                   init_from=init, evaluate=evaluate_and_keep if part == "chain" else None, eval_steps=eval_steps(config.steps))
     export(part, config, data, shipped, before)
     for name in ("checkpoint.pt", "before.json"):
@@ -274,12 +280,12 @@ def main():
         shipped, steps = Path(args.smoke), 2
         WORK = shipped / "work"
         WORK.mkdir(parents=True, exist_ok=True)
-        with np.load(ANSWERS) as z:
+        with np.load(ANSWERS[-1]) as z:
             n = int(z["starts"][64])
-            data = WORK / "answers.npz"
-            np.savez(data, ids=z["ids"][:n], starts=z["starts"][:65], prompt_length=z["prompt_length"][:64])
-    elif not ANSWERS.is_file():
-        sys.exit(f"train_smollm2: {ANSWERS} not found: run scripts/make_smollm2_data.py")
+            data = [WORK / "answers.npz"]
+            np.savez(data[0], ids=z["ids"][:n], starts=z["starts"][:65], prompt_length=z["prompt_length"][:64])
+    elif not all(path.is_file() for path in ANSWERS):
+        sys.exit(f"train_smollm2: {ANSWERS} not all found: run scripts/make_smollm2_data.py")
     parts = [args.only] if args.only else list(PARTS)
     all_configs = configs(steps, cpu_has_fast_bf16())
     if args.curve:
