@@ -5,7 +5,7 @@ top-p 0.95, top-k 20).
     python scripts/make_smollm2_data.py [--per-category 1500] [--batch 64] [--limit-seconds S]
     python scripts/make_smollm2_data.py --heldout   # heldout_answers.npz: for evaluation only
 
-Prompts (prompts.jsonl: id, category, prompt), deduplicated and disjoint from the held-out
+Prompts (prompts.jsonl: id, category, prompt, and whether its answer is sampled), deduplicated and disjoint from the held-out
 evaluation set (qspec_ext.prompts: no shared text, no 6 words in a row in common), balanced over
 the held-out set's four categories:
 - chat: everyday questions and requests from hand-written frames over hand-written topics, and
@@ -301,12 +301,13 @@ def kept(prompts, heldout: HeldoutFilter, seen: set) -> list[str]:
 
 def answer(target, directory, answers: Answers, rows: list[dict], batch: int, max_new_tokens: int, seed: int,
            deadline: float | None, label: str) -> bool:
-    """Answers the rows not yet answered, ``batch`` at a time (similar lengths together), a row
-    with an odd id sampled, an even one greedy. False when the deadline came first."""
+    """Answers the rows not yet answered, ``batch`` at a time (similar lengths together), sampled
+    where the row says so (else: an odd id sampled, an even one greedy, the rule of the rows written
+    before the field). False when the deadline came first."""
     stops = stop_ids(directory)
     todo = [r for r in rows if r["id"] not in answers.done]
     for sampled in (False, True):
-        mine = [r for r in todo if r["id"] % 2 == int(sampled)]
+        mine = [r for r in todo if r.get("sampled", r["id"] % 2 == 1) == sampled]
         mine.sort(key=lambda r: (len(r["prompt"]), r["id"]))
         for i in range(0, len(mine), batch):
             if deadline is not None and time.time() > deadline:
@@ -348,7 +349,7 @@ def main():
     prompts_path = out / "prompts.jsonl"
     rows = [json.loads(line) for line in prompts_path.read_text().splitlines()] if prompts_path.is_file() else []
     if not rows:  # passages first: the summarization prompts are made of their answers
-        rows = [{"id": i, "category": "passage", "prompt": p}
+        rows = [{"id": i, "category": "passage", "prompt": p, "sampled": i % 2 == 1}
                 for i, p in enumerate(kept(passage_prompts(rng), heldout, seen)[: args.passages])]
         prompts_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     passages = [r for r in rows if r["category"] == "passage"]
@@ -367,8 +368,9 @@ def main():
         order = ("coding", "math", "summarization", "chat")
         for i in range(args.per_category):  # interleaved: a partial data set stays balanced
             for category in order:
-                if i < len(pools[category]):
-                    rows.append({"id": len(rows), "category": category, "prompt": pools[category][i]})
+                if i < len(pools[category]):  # each category's answers half greedy, half sampled
+                    rows.append({"id": len(rows), "category": category, "prompt": pools[category][i],
+                                 "sampled": i % 2 == 1})
         prompts_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     rest = [r for r in rows if r["category"] != "passage"]
     step = 4 * args.batch  # answered a slice at a time, in the interleaved order
