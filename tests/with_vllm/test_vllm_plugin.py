@@ -214,7 +214,8 @@ def test_with_the_plugin_the_shipped_drafter_accepts_what_it_accepts_without(tmp
 
 
 def test_the_real_pair_decodes_the_same_with_and_without_the_plugin(tmp_path):
-    """SmolLM2 (Llama architecture: the rope seam) with its shipped chain drafter, fp32, greedy."""
+    """SmolLM2 (Llama architecture: the rope seam) with its shipped chain drafter (fc_norm: the
+    aux_gather seam), fp32, greedy; its acceptance in vLLM agrees with qspec_ext's."""
     from qspec_ext.demo import demo_requests
     from qspec_ext.shipped import drafter_dir, target_dir
 
@@ -225,3 +226,12 @@ def test_the_real_pair_decodes_the_same_with_and_without_the_plugin(tmp_path):
     assert ours["tokens"] == stock["tokens"] and all(len(t) == 24 for t in ours["tokens"])
     assert ours["per_position"] == stock["per_position"] and ours["drafts"] == stock["drafts"]
     assert ours["calls"]["rope"] > 0 and ours["calls"]["rms_norm"] > 0, ours["calls"]
+    # The shipped drafter (fc_norm: EAGLE 3.1) drafts in vLLM as in qspec_ext: its acceptance agrees.
+    assert ours["calls"].get("aux_gather", 0) > 0, ours["calls"]
+    from qspec_ext import SpeculativeDecoder, load_pair
+
+    pair = load_pair(target, draft)
+    spec = SpeculativeDecoder(*pair, K).generate(prompts, 24).stats
+    theirs = [n / stock["drafts"] for n in stock["per_position"]]
+    assert max(abs(a - b) for a, b in zip(theirs, spec.acceptance_rate_per_position)) < 0.15, (
+        theirs, spec.acceptance_rate_per_position)
