@@ -6,7 +6,7 @@ a P-EAGLE drafter, both with a draft vocabulary of the answers' most frequent to
 
     python scripts/train_smollm2.py [--steps 1500] [--only chain|parallel]   # trains, or resumes
     python scripts/train_smollm2.py --export [--only chain|parallel]  # a running part's latest checkpoint, shipped
-    python scripts/train_smollm2.py --curve [--per-category 8]   # decode acceptance of the chain's snapshots
+    python scripts/train_smollm2.py --curve [--per-category 8] [--curve-steps 100 200]   # the snapshots' acceptance
     python scripts/train_smollm2.py --smoke DIR      # 2 steps per part on 64 records, into DIR: does it run
 
 The target's features and labels come from its transformers model (bf16: AMX / AVX512-BF16 run it
@@ -210,7 +210,7 @@ def plot(shipped: Path) -> None:
     fig.savefig(shipped / "loss_curves.png", dpi=110)
 
 
-def learning_curve(shipped: Path, per_category: int) -> None:
+def learning_curve(shipped: Path, per_category: int, steps: list[int] | None = None) -> None:
     """Decode acceptance (k = 3, greedy) of each snapshot beside its held-out teacher-forced accuracy."""
     from qspec_ext import SpeculativeDecoder, load_target
     from qspec_ext.models import Eagle3Drafter
@@ -226,6 +226,8 @@ def learning_curve(shipped: Path, per_category: int) -> None:
                    for r in heldout_prompts(c)[:per_category]] for c in CATEGORIES}
     rows = []
     for snapshot, evaluation in zip(snapshots, record["evaluations"]):
+        if steps and evaluation["step"] not in steps:
+            continue
         drafter = Eagle3Drafter.from_pretrained(snapshot, dtype=torch.bfloat16, target=target)
         decoder = SpeculativeDecoder(target, drafter, 3)
         per = {}
@@ -270,6 +272,7 @@ def main():
     parser.add_argument("--export", action="store_true", help="write the shipped drafters from the latest checkpoints")
     parser.add_argument("--curve", action="store_true", help="decode acceptance of the chain's snapshots")
     parser.add_argument("--per-category", type=int, default=8, help="--curve: held-out prompts per category")
+    parser.add_argument("--curve-steps", type=int, nargs="+", help="--curve: only the snapshots of these steps")
     parser.add_argument("--smoke", metavar="DIR", help="2 steps per part on 64 records, written to DIR")
     args = parser.parse_args()
     global WORK
@@ -289,7 +292,7 @@ def main():
     parts = [args.only] if args.only else list(PARTS)
     all_configs = configs(steps, cpu_has_fast_bf16())
     if args.curve:
-        return learning_curve(shipped, args.per_category)
+        return learning_curve(shipped, args.per_category, args.curve_steps)
     if args.export:
         for part in parts:
             before = WORK / part / "before.json"

@@ -32,6 +32,8 @@ class ChainDrafting:
         self.cache_margin = 2 * k  # k accepted past the last new token, then k - 1 drafted beyond
 
     def draft(self, penalty=None) -> torch.Tensor:
+        if penalty is None:  # (drafters written for the loop before the penalty take no such argument)
+            return self.drafter.draft(self.k, parallel=False)[0]
         return self.drafter.draft(self.k, parallel=False, penalty=penalty)[0]
 
     def propose(self, root: torch.Tensor, penalty=None) -> Proposal:
@@ -39,7 +41,8 @@ class ChainDrafting:
         ``penalty``: (repetition penalty, seen tokens [B, V]) for the drafts (Eagle3Drafter.draft)."""
         # Made afresh each step: a tensor kept from one compiled step to the next would be a
         # CUDA graph's output that a later replay may overwrite.
-        return Proposal(self.draft(penalty), torch.arange(self.k + 1, device=root.device)[None])
+        drafts = self.draft() if penalty is None else self.draft(penalty)
+        return Proposal(drafts, torch.arange(self.k + 1, device=root.device)[None])
 
     def verify(self, proposal: Proposal, logits: torch.Tensor, seeds: torch.Tensor | None,
                offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

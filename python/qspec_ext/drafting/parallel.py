@@ -10,4 +10,6 @@ class ParallelDrafting(ChainDrafting):
     kind = "parallel"
 
     def draft(self, penalty=None) -> torch.Tensor:
+        if penalty is None:
+            return self.drafter.draft(self.k, parallel=True)[0]
         return self.drafter.draft(self.k, parallel=True, penalty=penalty)[0]
