@@ -440,16 +440,18 @@ def chi_square_pvalue(observed, expected):
     return float(torch.special.gammaincc(torch.tensor((len(exp) - 1) / 2.0, dtype=torch.float64), stat / 2))
 
 
-def target_law(hf, prompt, vocab, length, temperature, top_k, top_p) -> dict:
+def target_law(hf, prompt, vocab, length, temperature, top_k, top_p, repetition_penalty=1.0) -> dict:
     """The probability of every continuation of `length` tokens with positive mass under the
-    model's own filtered sampling, computed exactly."""
+    model's own filtered sampling (after the repetition penalty, if any), computed exactly."""
     law = {(): 1.0}
     for _ in range(length):
         prefixes = list(law)
         with torch.no_grad():
             logits = hf(torch.tensor([prompt + list(c) for c in prefixes])).logits[:, -1]
         law = {c + (t,): law[c] * float(q[t]) for c, row in zip(prefixes, logits)
-               for q in [filtered_distribution(row, temperature, top_k, top_p)] for t in range(vocab) if q[t] > 0}
+               for q in [filtered_distribution(penalized(row, prompt + list(c), repetition_penalty) if
+                                               repetition_penalty != 1.0 else row, temperature, top_k, top_p)]
+               for t in range(vocab) if q[t] > 0}
     return law
 
 
@@ -607,14 +609,7 @@ def test_repetition_penalty_sampling_follows_the_penalized_law(tmp_path):
     hf = make_hf(vocab=vocab, seed=4, scale=4.0)
     hf.save_pretrained(tmp_path)
     target = NativeTarget.from_pretrained(tmp_path, aux_layer_ids=AUX)
-    law = {(): 1.0}
-    for _ in range(length):
-        prefixes = list(law)
-        with torch.no_grad():
-            logits = hf(torch.tensor([prompt + list(c) for c in prefixes])).logits[:, -1]
-        law = {c + (t,): law[c] * float(q[t]) for c, row in zip(prefixes, logits)
-               for q in [filtered_distribution(penalized(row, prompt + list(c), penalty), 1.0, 4, None)]
-               for t in range(vocab) if q[t] > 0}
+    law = target_law(hf, prompt, vocab, length, 1.0, 4, None, repetition_penalty=penalty)
     spec = SpeculativeDecoder(target, make_drafter(vocab=vocab), k).generate(
         [prompt] * n, length, temperature=1.0, top_k=4, seed=3, repetition_penalty=penalty)
     assert law_pvalue(spec.tokens, law) > 1e-3

@@ -433,14 +433,8 @@ def test_demo_quick(capsys):
     assert "accept len" in out
 
 
-@pytest.mark.parametrize("parallel", [False, True])
-def test_an_interrupted_run_resumes_to_the_same_drafter(tiny_target, tmp_path, monkeypatch, parallel):
-    """checkpoint_every: a run killed after a checkpoint and started again ends with the drafter,
-    loss history and files an uninterrupted run gives."""
-    config = TrainConfig(steps=6, ttt_steps=2, draft_vocab=120, seq_len=32, batch_size=2, seed=0, parallel=parallel,
-                         parallel_depth=3, checkpoint_every=2)
-    whole, whole_history = train_drafter(tiny_target / "target", [tiny_target / "code.py"], tmp_path / "whole",
-                                         config, progress=False)
+def killed_at_step_5(monkeypatch):
+    """Makes the fifth optimizer step from now raise KeyboardInterrupt (a kill); returns the real step."""
     real_step, steps = torch.optim.AdamW.step, {"n": 0}
 
     def dies_at_step_5(self, *args, **kwargs):
@@ -450,6 +444,18 @@ def test_an_interrupted_run_resumes_to_the_same_drafter(tiny_target, tmp_path, m
         return real_step(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.optim.AdamW, "step", dies_at_step_5)
+    return real_step
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_an_interrupted_run_resumes_to_the_same_drafter(tiny_target, tmp_path, monkeypatch, parallel):
+    """checkpoint_every: a run killed after a checkpoint and started again ends with the drafter,
+    loss history and files an uninterrupted run gives."""
+    config = TrainConfig(steps=6, ttt_steps=2, draft_vocab=120, seq_len=32, batch_size=2, seed=0, parallel=parallel,
+                         parallel_depth=3, checkpoint_every=2)
+    whole, whole_history = train_drafter(tiny_target / "target", [tiny_target / "code.py"], tmp_path / "whole",
+                                         config, progress=False)
+    real_step = killed_at_step_5(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         train_drafter(tiny_target / "target", [tiny_target / "code.py"], tmp_path / "split", config, progress=False)
     assert (tmp_path / "split" / "checkpoint.pt").is_file()  # written after step 4
@@ -717,15 +723,7 @@ def test_a_packed_run_resumes_with_its_feature_cache_gone(tiny_target, tmp_path,
     files = dict(features_file=tmp_path / "cache" / "f.pt", evaluate=evaluate, eval_steps={0, 3}, progress=False)
     whole, whole_history = train_drafter(tiny_target / "target", [tiny_target / "code.py"], tmp_path / "whole",
                                          config, **files)
-    real_step, steps = torch.optim.AdamW.step, {"n": 0}
-
-    def dies_at_step_5(self, *args, **kwargs):
-        steps["n"] += 1
-        if steps["n"] == 5:
-            raise KeyboardInterrupt("killed")
-        return real_step(self, *args, **kwargs)
-
-    monkeypatch.setattr(torch.optim.AdamW, "step", dies_at_step_5)
+    real_step = killed_at_step_5(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         train_drafter(tiny_target / "target", [tiny_target / "code.py"], tmp_path / "split", config, **files)
     monkeypatch.setattr(torch.optim.AdamW, "step", real_step)
@@ -740,8 +738,7 @@ def test_a_packed_run_resumes_with_its_feature_cache_gone(tiny_target, tmp_path,
     assert [e["step"] for e in written[0]["evaluations"]] == [0, 3, 6]
     assert written[0]["evaluations"] == written[1]["evaluations"] and written[0]["rows_seen"] == written[1]["rows_seen"]
     longer = dataclasses.replace(config, steps=8)  # a resume may change the total steps
-    steps["n"] = 0
-    monkeypatch.setattr(torch.optim.AdamW, "step", dies_at_step_5)
+    killed_at_step_5(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         train_drafter(tiny_target / "target", [tiny_target / "code.py"], tmp_path / "longer", config, **files)
     monkeypatch.setattr(torch.optim.AdamW, "step", real_step)
