@@ -24,6 +24,7 @@ import transformers
 from common import device_name, timed
 
 from qspec_ext import Eagle3Config, Eagle3Drafter, HFTarget, SpeculativeDecoder, generate_plain
+from qspec_ext.drafting import ChainDrafting
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CLASSES = {"qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
@@ -76,17 +77,22 @@ class OracleDrafter:
         self.inner.setup(batch, length)
 
     def prefill(self, *args, **kwargs):
-        self.inner.prefill(*args, **kwargs)
+        return self.inner.prefill(*args, **kwargs)
 
     def keep_requests(self, rows, lengths):
         self.inner.keep_requests(rows, lengths)
         self.continuations = [self.continuations[i] for i in rows]
         self.lengths = [self.lengths[i] for i in rows]
 
-    def draft(self, k, parallel=None):
-        newest = self.inner.state.next_position.tolist()
+    def drafts(self, state, k):
+        newest = state.next_position.tolist()
         rows = [(self.continuations[b] + [0] * 2 * k)[max(s + 1 - self.lengths[b], 0):][:k] for b, s in enumerate(newest)]
-        return torch.tensor(rows, device=self.fc.weight.device), None
+        return torch.tensor(rows, device=self.fc.weight.device)
+
+
+class OracleDrafting(ChainDrafting):
+    def draft(self, state, penalty=None):
+        return self.drafter.drafts(state, self.k)
 
 
 def main() -> int:
@@ -140,6 +146,8 @@ def main() -> int:
             for name, d, split in runs:
                 target = HFTarget(model, split_mixers=split)
                 decoder = SpeculativeDecoder(target, d, args.k)
+                if d is oracle:
+                    decoder.drafting = OracleDrafting(oracle, args.k, check_bounds=False)
                 spec, tps = timed(device, lambda: decoder.generate(prompts, n), args.repeat)
                 failed |= spec.tokens != plain.tokens
                 target.profile = True

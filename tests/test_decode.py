@@ -12,6 +12,7 @@ transformers = pytest.importorskip("transformers")
 import qspec_ext  # noqa: E402
 from qspec_ext import Eagle3Config, Eagle3Drafter, HFTarget, NativeTarget, SpeculativeDecoder, generate_plain  # noqa: E402
 from qspec_ext.cli import main as qspec_main  # noqa: E402
+from qspec_ext.drafting import ChainDrafting  # noqa: E402
 from qspec_ext.models.checkpoint import CheckpointError  # noqa: E402
 
 VOCAB, H, LAYERS = 97, 64, 6
@@ -125,7 +126,9 @@ def test_rope_table_matches_transformers_init_functions():
 
 class OracleDrafter:
     """Drafts what the target will say (its plain greedy continuation), each draft replaced by a
-    wrong token with probability error_rate: mostly accepted, rejected at random positions."""
+    wrong token with probability error_rate: mostly accepted, rejected at random positions. It
+    stands in for the drafter (the loop still prefills it and moves its requests) and drafts
+    through :class:`OracleDrafting` (:func:`oracle_decoder`)."""
 
     def __init__(self, drafter, continuations, prompt_lengths, error_rate=0.0, seed=0):
         self.inner, self.config, self.fc, self.device = drafter, drafter.config, drafter.fc, drafter.device
@@ -140,15 +143,15 @@ class OracleDrafter:
         self.inner.setup(batch, length)
 
     def prefill(self, *args, **kwargs):
-        self.inner.prefill(*args, **kwargs)
+        return self.inner.prefill(*args, **kwargs)
 
     def keep_requests(self, rows, lengths):
         self.inner.keep_requests(rows, lengths)
         self.continuations = [self.continuations[i] for i in rows]
         self.lengths = [self.lengths[i] for i in rows]
 
-    def draft(self, k, parallel=None):
-        newest = self.inner.state.next_position.tolist()  # position of the newest token
+    def drafts(self, state, k):
+        newest = state.next_position.tolist()  # position of the newest token
         rows = []
         for b, s in enumerate(newest):
             offset = max(s + 1 - self.lengths[b], 0)  # continuation index of the first draft
@@ -158,7 +161,18 @@ class OracleDrafter:
                     row[i] = (token + 1 + self.rng.randrange(self.config.vocab_size - 1)) % self.config.vocab_size
             rows.append(row)
         self.calls.append([(max(s + 1 - self.lengths[b], 0), row) for b, (s, row) in enumerate(zip(newest, rows))])
-        return torch.tensor(rows), None
+        return torch.tensor(rows)
+
+
+class OracleDrafting(ChainDrafting):
+    def draft(self, state, penalty=None):
+        return self.drafter.drafts(state, self.k)
+
+
+def oracle_decoder(target, oracle: OracleDrafter, k: int) -> SpeculativeDecoder:
+    decoder = SpeculativeDecoder(target, oracle, k)
+    decoder.drafting = OracleDrafting(oracle, k, check_bounds=False)
+    return decoder
 
 
 def expected_acceptance_length(k, error_rate):
@@ -170,7 +184,7 @@ def check_noisy_oracle(target, k, prompts, error_rate=0.3, new_tokens=24, seed=0
     and the acceptance it measures is what the injected errors allow."""
     plain = generate_plain(target, prompts, new_tokens + k + 1)
     oracle = OracleDrafter(make_drafter(), plain.tokens, [len(p) for p in prompts], error_rate, seed)
-    spec = SpeculativeDecoder(target, oracle, k).generate(prompts, new_tokens)
+    spec = oracle_decoder(target, oracle, k).generate(prompts, new_tokens)
     assert spec.tokens == [t[:new_tokens] for t in plain.tokens]
     expected = expected_acceptance_length(k, error_rate)
     # The last step of each request may be cut by max_new_tokens: allow for sampling noise.
@@ -207,7 +221,7 @@ def test_eos_inside_an_accepted_run_stops_there(hf_dir):
     plain = generate_plain(target, PROMPTS, 40)
     oracle = OracleDrafter(make_drafter(), plain.tokens, [len(p) for p in PROMPTS])
     eos = plain.tokens[0][6]
-    spec = SpeculativeDecoder(target, oracle, 5).generate(PROMPTS, 30, eos_token_id=eos)
+    spec = oracle_decoder(target, oracle, 5).generate(PROMPTS, 30, eos_token_id=eos)
     for tokens, full in zip(spec.tokens, plain.tokens):
         full = full[:30]
         assert tokens == (full[: full.index(eos) + 1] if eos in full else full)
@@ -253,7 +267,7 @@ def test_finished_requests_leave_the_batch(hf_dir, kind):
     assert generate_plain(target, PROMPTS, 24, temperature=1.0, seed=3, eos_token_id=sampled_eos).tokens == sampled
     batches.clear()
     oracle = OracleDrafter(make_drafter(), plain.tokens, [len(p) for p in PROMPTS])
-    spec = SpeculativeDecoder(target, oracle, 3).generate(PROMPTS, 20, eos_token_id=eos)
+    spec = oracle_decoder(target, oracle, 3).generate(PROMPTS, 20, eos_token_id=eos)
     assert spec.tokens == [t[:20] if eos not in t[:20] else t for t in expected]
     assert spec.stats.acceptance_rate_per_position == [1.0] * 3
     assert batches[-1] < len(PROMPTS) and batches == sorted(batches, reverse=True)
@@ -264,7 +278,7 @@ def test_stats_of_a_drafter_that_copies_the_target(hf_dir, k):
     target = NativeTarget.from_pretrained(hf_dir, aux_layer_ids=AUX)
     plain = generate_plain(target, PROMPTS, 30 + k)  # the oracle's drafts may run past 30 tokens
     oracle = OracleDrafter(make_drafter(), plain.tokens, [len(p) for p in PROMPTS])
-    spec = SpeculativeDecoder(target, oracle, k).generate(PROMPTS, 30)
+    spec = oracle_decoder(target, oracle, k).generate(PROMPTS, 30)
     assert spec.tokens == [t[:30] for t in plain.tokens]
     assert spec.stats.mean_acceptance_length == k + 1
     assert spec.stats.acceptance_rate_per_position == [1.0] * k
@@ -282,7 +296,7 @@ def test_stats_of_chunked_batches_add_up(hf_dir):
 
     def generate(chunk, **kwargs):  # an oracle for the chunk's own requests
         oracle = OracleDrafter(make_drafter(), [continuation[tuple(p)] for p in chunk], [len(p) for p in chunk])
-        return SpeculativeDecoder(target, oracle, k).generate(chunk, **kwargs)
+        return oracle_decoder(target, oracle, k).generate(chunk, **kwargs)
 
     whole = in_batches(generate, PROMPTS, 2, max_new_tokens=20)
     assert whole.tokens == [t[:20] for t in plain.tokens]
@@ -375,7 +389,7 @@ def test_stats_count_what_was_accepted(hf_dir):
     k, new_tokens = 4, 40
     plain = generate_plain(target, PROMPTS[:1], new_tokens + k + 1)
     oracle = OracleDrafter(make_drafter(), plain.tokens, [len(PROMPTS[0])], error_rate=0.3, seed=5)
-    s = SpeculativeDecoder(target, oracle, k).generate(PROMPTS[:1], new_tokens).stats
+    s = oracle_decoder(target, oracle, k).generate(PROMPTS[:1], new_tokens).stats
     continuation = plain.tokens[0]
     matches = []
     for [(offset, row)] in oracle.calls:
@@ -650,16 +664,17 @@ def test_drafts_carry_the_repetition_penalty(hf_dir, parallel):
     before it in the step; the output still equals plain decoding's."""
     target = NativeTarget.from_pretrained(hf_dir, aux_layer_ids=AUX)
     drafter = make_drafter(parallel_drafting=True, mask_token_id=0, speculative_tokens=3) if parallel else make_drafter()
-    real, drafted = drafter.draft, []
+    decoder = SpeculativeDecoder(target, drafter, 3)
+    real, drafted = decoder.drafting.draft, []
 
-    def recorded(k, return_probs=False, parallel=None, penalty=None):
-        out = real(k, return_probs, parallel, penalty)
-        drafted.append((out[0].clone(), penalty[1].clone()))
+    def recorded(state, penalty=None):
+        out = real(state, penalty)
+        drafted.append((out.clone(), penalty[1].clone()))
         return out
 
-    drafter.draft = recorded
+    decoder.drafting.draft = recorded
     prompts = [list(range(5, 60)), list(range(10, 50))]  # 55 and 40 of the 97 tokens seen from the start
-    spec = SpeculativeDecoder(target, drafter, 3).generate(prompts, 12, repetition_penalty=1e4)
+    spec = decoder.generate(prompts, 12, repetition_penalty=1e4)
     assert spec.tokens == generate_plain(target, prompts, 12, repetition_penalty=1e4).tokens
     assert drafted
     for drafts, seen in drafted:

@@ -17,6 +17,8 @@ from qspec_ext import Eagle3Config, Eagle3Drafter
 from qspec_ext.models.checkpoint import CheckpointError
 from qspec_ext.rope import rope_inv_freq
 
+from helpers import draft
+
 H, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB, DRAFT_VOCAB = 64, 4, 2, 16, 96, 120, 50
 
 FLAG_SETS = [
@@ -68,8 +70,8 @@ def inputs(batch, tokens, config, seed=1, pad=False):
 
 def run(model, batch, features, next_tokens, positions, k=4):
     model.setup(batch, 64)
-    logits = model.prefill(features, next_tokens, positions)
-    drafts, probs = model.draft(k, return_probs=True)
+    logits, state = model.prefill(features, next_tokens, positions)
+    drafts, probs = draft(model, state, k, return_probs=True)
     return logits, drafts, probs
 
 
@@ -107,11 +109,11 @@ def test_prefill_last_only_keeps_the_last_pairs(flags, layers):
     features, next_tokens, positions = inputs(4, 7, config, pad=True)
     all_logits, drafts_full, probs_full = run(full, 4, features, next_tokens, positions)
     last.setup(4, 64)
-    logits = last.prefill(features, next_tokens, positions, last_only=True)
+    logits, state = last.prefill(features, next_tokens, positions, last_only=True)
     ends = positions.argmax(dim=1)
     assert ends.tolist() == [6, 4, 6, 6] and logits.shape == (4, DRAFT_VOCAB)
     torch.testing.assert_close(logits, all_logits[torch.arange(4), ends], atol=1e-5, rtol=1e-5)
-    drafts, probs = last.draft(4, return_probs=True)
+    drafts, probs = draft(last, state, 4, return_probs=True)
     assert torch.equal(drafts, drafts_full)
     torch.testing.assert_close(probs, probs_full, atol=1e-5, rtol=1e-5)
     for (kf, vf), (kl, vl) in zip(full.caches, last.caches):  # (packed: other GEMM row tiles, other roundings)
@@ -242,14 +244,14 @@ def test_rollback_is_moving_positions():
     model = random_drafter(config)
     features, tokens, positions = inputs(1, 8, config)
     model.setup(1, 32)
-    model.prefill(features[:, :5], tokens[:, :5], positions[:, :5])
-    model.draft(4)  # speculative K/V at positions 5..7
-    model.prefill(features[:, 5:], tokens[:, 5:], positions[:, 5:])  # the real pairs overwrite them
-    after_rollback = model.draft(3)[0]
+    _, state = model.prefill(features[:, :5], tokens[:, :5], positions[:, :5])
+    draft(model, state, 4)  # speculative K/V at positions 5..7
+    _, state = model.prefill(features[:, 5:], tokens[:, 5:], positions[:, 5:])  # the real pairs overwrite them
+    after_rollback = draft(model, state, 3)[0]
     fresh = random_drafter(config)
     fresh.setup(1, 32)
-    fresh.prefill(features, tokens, positions)
-    assert torch.equal(after_rollback, fresh.draft(3)[0])
+    _, state = fresh.prefill(features, tokens, positions)
+    assert torch.equal(after_rollback, draft(fresh, state, 3)[0])
 
 
 # ----------------------------------------------------------------------------- checkpoints

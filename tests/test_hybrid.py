@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from qspec_ext import HFTarget, SpeculativeDecoder, generate_plain  # noqa: E402
 from qspec_ext.cli import main as qspec_main  # noqa: E402
-from test_decode import AUX, H, OracleDrafter, chi_square_pvalue, make_drafter  # noqa: E402
+from test_decode import AUX, H, OracleDrafter, chi_square_pvalue, make_drafter, oracle_decoder  # noqa: E402
 
 VOCAB, LAYERS = 97, 5  # AUX = [1, 3, 5]: id 5 is the last layer's output before the final norm
 HYBRID_TYPES = ["linear_attention", "linear_attention", "full_attention", "linear_attention", "full_attention"]
@@ -76,7 +76,7 @@ def test_greedy_speculative_equals_generate(model_and_reference, k):
         assert rejected.tokens == want, (kind, k, len(prompts))
         assert rejected.stats.num_accepted_tokens < rejected.stats.num_draft_tokens // 2
         oracle = OracleDrafter(make_drafter(), expected, [len(p) for p in prompts])
-        accepted = SpeculativeDecoder(target, oracle, k).generate(prompts, NEW)
+        accepted = oracle_decoder(target, oracle, k).generate(prompts, NEW)
         assert accepted.tokens == want, (kind, k, len(prompts))
         assert accepted.stats.num_accepted_tokens == accepted.stats.num_draft_tokens
 
@@ -92,7 +92,7 @@ def test_batched_equals_one_at_a_time(model_and_reference):
         target = HFTarget(model, AUX, batched=batched, split_mixers=split)
         assert target.batched is batched
         oracle = OracleDrafter(make_drafter(), reference, lengths, error_rate=0.4, seed=3)
-        runs.append(SpeculativeDecoder(target, oracle, 3).generate(PROMPTS, NEW))
+        runs.append(oracle_decoder(target, oracle, 3).generate(PROMPTS, NEW))
         if split:
             assert generate_plain(target, PROMPTS, NEW).tokens == [r[:NEW] for r in reference]
     timings = dict.fromkeys(["wall_time", "first_token_time", "tokens_per_second", "decode_tokens_per_second"], 0)

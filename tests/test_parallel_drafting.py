@@ -12,7 +12,10 @@ from test_eagle3_drafter import (
 )
 
 from qspec_ext import Eagle3Drafter
+from qspec_ext.drafting import ChainDrafting, ParallelDrafting
 from qspec_ext.models.checkpoint import CheckpointError
+
+from helpers import draft
 
 MASK = 7
 
@@ -76,13 +79,19 @@ def test_peagle_without_mask_hidden_or_mask_id_is_a_checkpoint_error(tmp_path):
 
 def test_chain_and_parallel_drafters_refuse_the_other_mode():
     chain, parallel = random_drafter(make_config()), random_drafter(parallel_config())
-    for model in (chain, parallel):
-        model.setup(1, 32)
-        model.prefill(*inputs(1, 4, model.config))
-    with pytest.raises(ValueError, match="parallel drafting asked of a chain EAGLE-3 drafter"):
-        chain.draft(3, parallel=True)
-    with pytest.raises(ValueError, match=r"chain drafting asked of a P-EAGLE \(parallel\) drafter"):
-        parallel.draft(3, parallel=False)
+    with pytest.raises(ValueError, match="ParallelDrafting: parallel drafting asked of a chain EAGLE-3 drafter"):
+        ParallelDrafting(chain, 3)
+    with pytest.raises(ValueError, match=r"ChainDrafting: chain drafting asked of a P-EAGLE \(parallel\) drafter"):
+        ChainDrafting(parallel, 3)
+
+
+def test_drafts_past_the_cache_are_an_error():
+    for model, kind in ((random_drafter(make_config()), ChainDrafting), (random_drafter(parallel_config()), ParallelDrafting)):
+        model.setup(1, 8)
+        _, state = model.prefill(*inputs(1, 4, model.config))  # the next position is 4
+        kind(model, 5).draft(state)  # positions 4..7
+        with pytest.raises(ValueError, match=f"{kind.__name__}: 6 drafts from position 4 would overrun the cache \\(8\\)"):
+            kind(model, 6).draft(state)
 
 
 # ----------------------------------------------------------------------------- the parallel draft
@@ -98,8 +107,8 @@ def test_parallel_draft_equals_a_full_recomputation(flags, k):
     sd = {key: v.float() if v.is_floating_point() else v for key, v in model.state_dict().items()}
     features, tokens, positions = inputs(2, 6, config)
     model.setup(2, 32)
-    model.prefill(features, tokens, positions)
-    drafts, probs = model.draft(k, return_probs=True)
+    _, state = model.prefill(features, tokens, positions)
+    drafts, probs = draft(model, state, k, return_probs=True)
     for b in range(2):
         x = naive_fc(sd, config, torch.cat([features[b], model.mask_hidden[0].expand(k - 1, -1)]))
         toks = torch.cat([tokens[b], torch.full((k - 1,), MASK)])
@@ -117,8 +126,8 @@ def test_parallel_kernel_path_equals_reference_path():
     results = []
     for model in (fast, slow):
         model.setup(3, 32)
-        model.prefill(*data)
-        results.append(model.draft(4, return_probs=True))
+        _, state = model.prefill(*data)
+        results.append(draft(model, state, 4, return_probs=True))
     assert torch.equal(results[0][0], results[1][0])
     torch.testing.assert_close(results[0][1], results[1][1], atol=1e-5, rtol=1e-4)
 
@@ -130,12 +139,12 @@ def test_mask_slots_are_overwritten_by_the_next_prefill():
     model, fresh = random_drafter(config), random_drafter(config)
     features, tokens, positions = inputs(1, 8, config)
     model.setup(1, 32)
-    model.prefill(features[:, :5], tokens[:, :5], positions[:, :5])
-    model.draft(4)
-    model.prefill(features[:, 5:], tokens[:, 5:], positions[:, 5:])
+    _, state = model.prefill(features[:, :5], tokens[:, :5], positions[:, :5])
+    draft(model, state, 4)
+    _, state = model.prefill(features[:, 5:], tokens[:, 5:], positions[:, 5:])
     fresh.setup(1, 32)
-    fresh.prefill(features, tokens, positions)
-    assert torch.equal(model.draft(3)[0], fresh.draft(3)[0])
+    _, fresh_state = fresh.prefill(features, tokens, positions)
+    assert torch.equal(draft(model, state, 3)[0], draft(fresh, fresh_state, 3)[0])
 
 
 # ----------------------------------------------------------------------------- decoding

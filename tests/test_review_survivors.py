@@ -10,9 +10,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from test_decode import AUX, H, PROMPTS, VOCAB, make_drafter, make_hf  # noqa: E402
+from helpers import draft  # noqa: E402
 
 from qspec_ext import Eagle3Config, Eagle3Drafter, NativeTarget, SpeculativeDecoder, generate_plain  # noqa: E402
 from qspec_ext.cli import main as qspec_main  # noqa: E402
+from qspec_ext.drafting import tree_draft  # noqa: E402
 from qspec_ext.models.checkpoint import CheckpointError  # noqa: E402
 from qspec_ext.ops import verify_sampling  # noqa: E402
 from qspec_ext.sampling import apply_top_k_top_p  # noqa: E402
@@ -85,8 +87,8 @@ def test_a_topk_one_tree_drafts_the_chain(make):
     for tree in (False, True):
         drafter = make()
         drafter.setup(3, 32)
-        drafter.prefill(features, tokens, positions)
-        drafts.append(drafter.draft_tree(5, 1, 5) if tree else drafter.draft(5))
+        _, state = drafter.prefill(features, tokens, positions)
+        drafts.append(tree_draft(drafter, state, 5, 1, 5) if tree else draft(drafter, state, 5))
     (chain, _), (tree, parents) = drafts
     assert parents.tolist() == [[0, 1, 2, 3, 4]] * 3, "a path"
     assert tree.tolist() == chain.tolist()
@@ -105,7 +107,7 @@ def test_identical_requests_of_a_tree_batch_get_identical_drafts(target, compile
 
     def recording(*args):
         out = step(*args)
-        states.append(drafter.state.logits.clone())
+        states.append(out[4].logits.clone())  # the drafter's next state
         return out
 
     decoder.step = recording
@@ -133,7 +135,7 @@ def test_saved_drafter_drafts_as_before_with_rope_scaling(tmp_path):
 
     def logits(model):
         model.setup(1, 48)
-        return model.prefill(features, tokens, torch.arange(40)[None])
+        return model.prefill(features, tokens, torch.arange(40)[None])[0]
 
     expected = logits(drafter)
     torch.testing.assert_close(logits(loaded), expected)
@@ -238,7 +240,7 @@ def test_two_stop_ids_in_one_accepted_run_stop_at_the_first(target):
     decoder = SpeculativeDecoder(target, make_drafter(), 4)
     at = {"newest": 0}  # the index in free of the newest generated token
 
-    def oracle():
+    def oracle(state, penalty=None):
         return torch.tensor([(free + [0] * 8)[at["newest"] + 1 : at["newest"] + 5]])
 
     step = decoder.step

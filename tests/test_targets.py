@@ -241,14 +241,14 @@ def test_a_stop_id_inside_an_accepted_run_ends_the_request_there(pair):
     decoder = SpeculativeDecoder(target, drafter, 4)
     position = {"at": 0}  # the index in free of the newest generated token
 
-    def oracle():  # the target's own next 4 tokens after what was generated so far
+    def oracle(state, penalty=None):  # the target's own next 4 tokens after what was generated so far
         start = position["at"]
         return torch.tensor([(free + [0] * 8)[start + 1 : start + 5]])
 
     original_step = decoder._step
 
-    def step(last, pos, active, seeds, sampler, top):
-        out = original_step(last, pos, active, seeds, sampler, top)
+    def step(*args):
+        out = original_step(*args)
         position["at"] += int(out[1][0]) + 1
         return out
 

@@ -11,6 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from qspec_ext import Eagle3Drafter, NativeTarget  # noqa: E402
 from qspec_ext.demo import DEMO_DIR, run_demo  # noqa: E402
+from qspec_ext.drafting import parallel_logits  # noqa: E402
 from qspec_ext.rope import rope_cos_sin_cache  # noqa: E402
 from qspec_ext.train import (TargetFeatures, TrainConfig, Windows, cod_nodes, draft_labels, parallel_forward, train_drafter,  # noqa: E402
                              ttt_loss, ttt_step)
@@ -102,7 +103,7 @@ def test_train_drafter_reads_the_aux_layers_asked_for(tiny_target, tmp_path):
         target(ids, torch.arange(10)[None])
         captured = target.capture.gather(torch.arange(9), "none", None, drafter.config.rms_norm_eps)
     drafter.setup(1, 32)
-    served = drafter.prefill(captured[None], ids[:, 1:], torch.arange(9)[None])
+    served, _ = drafter.prefill(captured[None], ids[:, 1:], torch.arange(9)[None])
     torch.testing.assert_close(served, trained_logits, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match=r"train_drafter: aux_layer_ids must be distinct layer ids in \[0, 8\) of the "
                                          r"8-layer target, got \[2, 8\]"):
@@ -164,7 +165,7 @@ def test_ttt_step_one_is_the_drafters_forward(tiny_target, trained):
         labels = draft_labels(out.logits, draft_ids, top_k=len(draft_ids))  # the whole draft vocabulary
         loss, accuracies = ttt_loss(loaded, ids, features, labels, 3, cos_sin)
     loaded.setup(2, 32)
-    prefill = loaded.prefill(features[:, :11], ids[:, 1:], torch.arange(11).expand(2, 11))
+    prefill, _ = loaded.prefill(features[:, :11], ids[:, 1:], torch.arange(11).expand(2, 11))
     torch.testing.assert_close(prefill, logits, atol=1e-4, rtol=1e-4)
     agree = prefill.argmax(-1) == out.logits[:, 1:, draft_ids].argmax(-1)  # pair t predicts row t+1
     assert float(accuracies[0]) == pytest.approx(float(agree.float().mean()))
@@ -196,8 +197,8 @@ def test_ttt_step_two_is_the_drafters_second_step(tiny_target, trained):
         two = ttt_loss(loaded, ids, features, labels, 2, cos_sin)[0] - ttt_loss(loaded, ids, features, labels, 1, cos_sin)[0]
         for t in range(10):  # pairs whose token two ahead exists
             loaded.setup(1, 32)
-            loaded.prefill(features[:, : t + 1], ids[:, 1 : t + 2], torch.arange(t + 1)[None])
-            step, _ = loaded(loaded.state.hidden[:, None], ids[:, t + 2 : t + 3],
+            _, state = loaded.prefill(features[:, : t + 1], ids[:, 1 : t + 2], torch.arange(t + 1)[None])
+            step, _ = loaded(state.hidden[:, None], ids[:, t + 2 : t + 3],
                                            torch.tensor([[t + 1]]), from_features=False)
             p = torch.softmax(out.logits[0, t + 2].float(), -1)[draft_ids]
             p = p / p.sum()
@@ -237,8 +238,8 @@ def test_parallel_training_forward_is_the_parallel_draft(tiny_target, trained_pa
         cos_sin = rope_cos_sin_cache(32, c.head_dim, c.rope_theta)
         logits = parallel_forward(drafter, ids, features, anchor, depth, cos_sin)
         drafter.setup(1, 32)
-        drafter.prefill(features[:, :7], ids[:, 1:8], torch.arange(7)[None])
-        drafted = drafter.draft_parallel(4)
+        _, state = drafter.prefill(features[:, :7], ids[:, 1:8], torch.arange(7)[None])
+        drafted = parallel_logits(drafter, state, 4)
     rows = (anchor == 6).nonzero().flatten()
     torch.testing.assert_close(logits[0, rows[depth[rows].argsort()]], drafted[0], atol=1e-4, rtol=1e-4)
 

@@ -1,4 +1,4 @@
-"""Tree drafting (Eagle3Drafter.draft_tree) and tree decoding: the tree's layout and scores,
+"""Tree drafting (drafting.tree_draft) and tree decoding: the tree's layout and scores,
 its attention against an independent recomputation, lossless greedy decoding, the sampling law."""
 
 import pytest
@@ -9,6 +9,7 @@ transformers = pytest.importorskip("transformers")
 from test_decode import AUX, PROMPTS, VOCAB, law_pvalue, make_drafter, make_hf, target_law  # noqa: E402
 
 from qspec_ext import HFTarget, NativeTarget, SpeculativeDecoder, generate_plain  # noqa: E402
+from qspec_ext.drafting import tree_draft  # noqa: E402
 from qspec_ext.models.layers import tree_ancestors  # noqa: E402
 
 
@@ -27,8 +28,8 @@ def prefilled(drafter, batch=2, length=7, seed=0):
     positions = torch.arange(length).expand(batch, length).clone()
     positions[1, length - 2 :] = -1  # a shorter request
     drafter.setup(batch, 64)
-    drafter.prefill(features, tokens, positions)
-    return features, tokens, positions
+    _, state = drafter.prefill(features, tokens, positions)
+    return features, tokens, positions, state
 
 
 def test_tree_ancestors():
@@ -45,17 +46,17 @@ def test_draft_tree_is_the_best_nodes_by_cumulative_log_probability(depth, topk,
     """An independent expansion: every beam node recomputed from scratch with the drafter's
     reference ops over [context, its ancestors], the beam and the final selection by score."""
     drafter = make_drafter(draft_vocab=60)
-    features, tokens, positions = prefilled(drafter)
-    draft_ids, parents = drafter.draft_tree(depth, topk, nodes)
+    features, tokens, positions, state = prefilled(drafter)
+    draft_ids, parents = tree_draft(drafter, state, depth, topk, nodes)
     assert draft_ids.shape == parents.shape == (2, nodes)
     for b in range(2):
         length = int((positions[b] >= 0).sum())
         # Pairs of the context, then a path of draft tokens: the drafter over the whole sequence.
         def path_logits(path_tokens):
             drafter.setup(1, 64)
-            logits = drafter.prefill(features[b : b + 1, :length], tokens[b : b + 1, :length],
-                                     positions[b : b + 1, :length])
-            row, hidden = logits[0, -1].float(), drafter.state.hidden
+            logits, path_state = drafter.prefill(features[b : b + 1, :length], tokens[b : b + 1, :length],
+                                                 positions[b : b + 1, :length])
+            row, hidden = logits[0, -1].float(), path_state.hidden
             for i, token in enumerate(path_tokens):
                 step, hidden = drafter(hidden[:, None], torch.tensor([[token]]),
                                                      torch.tensor([[length + i]]), from_features=False)

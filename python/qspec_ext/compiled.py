@@ -45,56 +45,34 @@ def compiled_method(model: torch.nn.Module, name: str):
     if (name, mode) not in methods:
         # The class's function, not the bound method: the cache holds no reference to the model.
         methods[name, mode] = torch.compile(getattr(type(model), name), fullgraph=True, dynamic=False, mode=mode)
-    return _owning_results(functools.partial(methods[name, mode], model), mode, [model])
+    return _owning_results(functools.partial(methods[name, mode], model), mode)
 
 
-def compiled_step(step, device: torch.device, models):
-    """``step`` (a function of device tensors, no host synchronization) as one graph per shape;
-    ``models``: those whose attributes it sets (the drafter's state)."""
+def compiled_step(step, device: torch.device):
+    """``step`` (a function of device tensors, no host synchronization, that sets no attribute:
+    what it carries to the next step it returns) as one graph per shape."""
     mode = _mode(device)
-    return _owning_results(torch.compile(step, fullgraph=True, dynamic=False, mode=mode), mode, models)
+    return _owning_results(torch.compile(step, fullgraph=True, dynamic=False, mode=mode), mode)
 
 
-def _owning_results(fn, mode: str | None, models):
-    """fn, whose results and the attributes it rebinds on ``models`` stay valid after the next
-    compiled call.
+def _owning_results(fn, mode: str | None):
+    """fn, whose results stay valid after the next compiled call.
 
     CUDA graphs (reduce-overhead) replay into memory they own: a replay overwrites the tensors
-    the last one returned. Decoding keeps them across calls (the drafter's state, the tokens),
-    so on CUDA each call starts a new graph step and its tensors are copied out of the graph's
+    the last one returned. Decoding keeps them across calls (the tokens, the drafter's state), so
+    on CUDA each call starts a new graph step and its results are copied out of the graph's
     memory (as torch.compiler.cudagraph_mark_step_begin asks); on CPU fn is returned as is.
-    Only results and rebound top-level attributes are copied: tensors a call leaves inside an
-    object it keeps (the target's ``capture``) are valid until the next compiled call only, and
-    decoding reads them before it.
-    An attribute's copy goes into the tensors the last call left there when they have its layout:
-    a model's tensor attributes are static inputs of the graphs that read them (the drafter's state,
-    of the step), and a static input at a new address makes CUDA graphs record the graph again."""
+    Tensors a call leaves inside an object it keeps (the target's ``capture``) are valid until the
+    next compiled call only, and decoding reads them before it."""
     if mode != "reduce-overhead":
         return fn
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
         torch.compiler.cudagraph_mark_step_begin()
-        before = [dict(vars(model)) for model in models]
-        result = fn(*args, **kwargs)
-        for model, attributes in zip(models, before):
-            kept = _KEPT.setdefault(model, {})
-            for name, value in list(vars(model).items()):
-                if attributes.get(name) is value or value is None:
-                    continue
-                pairs = _same_layout_pairs(kept[name], value) if name in kept else None
-                if pairs is None:
-                    kept[name] = _copied(value)
-                for destination, source in pairs or []:
-                    destination.copy_(source)
-                setattr(model, name, kept[name])
-        return _copied(result)
+        return _copied(fn(*args, **kwargs))
 
     return call
-
-
-# model -> {attribute: the value compiled calls last set there, in memory of ours}; weakly keyed.
-_KEPT: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
 def _copied(value):
@@ -112,29 +90,6 @@ def _copied(value):
             object.__setattr__(copy, field.name, _copied(getattr(value, field.name)))
         return copy
     return value
-
-
-def _same_layout_pairs(old, new):
-    """(tensor of old, tensor of new) in order when the two values have one layout (structure,
-    tensor shapes, dtypes and devices, the other values equal); None when they differ."""
-    if isinstance(old, torch.Tensor) or isinstance(new, torch.Tensor):
-        same = (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) and old.shape == new.shape
-                and old.dtype == new.dtype and old.device == new.device)
-        return [(old, new)] if same else None
-    if type(old) is not type(new):
-        return None
-    if isinstance(new, (tuple, list)):
-        parts = [_same_layout_pairs(a, b) for a, b in zip(old, new)] if len(old) == len(new) else [None]
-    elif isinstance(new, dict):
-        parts = [_same_layout_pairs(old[k], new[k]) for k in new] if old.keys() == new.keys() else [None]
-    elif dataclasses.is_dataclass(new):
-        parts = [_same_layout_pairs(getattr(old, f.name), getattr(new, f.name)) for f in dataclasses.fields(new)]
-    else:
-        try:
-            return [] if old is new or bool(old == new) else None
-        except (TypeError, ValueError, RuntimeError):  # an array-like: no single truth value
-            return None
-    return None if any(p is None for p in parts) else [pair for p in parts for pair in p]
 
 
 def compiling(enabled: bool):

@@ -22,6 +22,7 @@ from .arguments import check_float, check_int, check_pair, check_prompts, check_
 from .compiled import bucketed, check_compilable, compiled_method, compiled_step, compiling
 from .drafting import make_drafting
 from .drafting.tree import TreeDrafting
+from .models.eagle3 import DraftState
 from .sampling import apply_repetition_penalty, apply_top_k_top_p
 
 
@@ -339,13 +340,15 @@ class SpeculativeDecoder:
             check_int("SpeculativeDecoder", "max_length", max_length, 2)
         check_pair(target, drafter)
         self.target, self.drafter, self.k = target, drafter, num_speculative_tokens
-        self.drafting = make_drafting(target, drafter, num_speculative_tokens, topk, num_draft_tokens)
+        # The cache is sized for every step once per generate call: no per-step bounds checks.
+        self.drafting = make_drafting(target, drafter, num_speculative_tokens, topk, num_draft_tokens,
+                                      check_bounds=False)
         self.max_length = max_length or target.config.max_position_embeddings
         self.compiled = compile
         self.step = self._step
         if compile:
             check_compilable("SpeculativeDecoder", target)
-            self.step = compiled_step(self._step, drafter.device, [target, drafter])
+            self.step = compiled_step(self._step, drafter.device)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
@@ -401,8 +404,8 @@ class SpeculativeDecoder:
         pair_tokens[torch.arange(batch, device=device), lengths - 1] = first
         rows = torch.where(positions >= 0, torch.arange(tokens.numel(), device=device).view_as(tokens), -1)
         fc_input = target.capture.gather(rows.reshape(-1), norm_mode, norm_weight, eps)
-        drafter.prefill(fc_input.view(batch, tokens.shape[1], -1), pair_tokens, positions, normalized=True,
-                        last_only=True)
+        _, state = drafter.prefill(fc_input.view(batch, tokens.shape[1], -1), pair_tokens, positions, normalized=True,
+                                   last_only=True, check_bounds=False)
 
         last, position = first, lengths  # the newest token and its position (not yet in the target's cache)
         position_host = [len(p) for p in prompts]  # per request
@@ -417,13 +420,11 @@ class SpeculativeDecoder:
                 index = torch.tensor(rows, device=device)
                 last, position = last[index], position[index]
                 seeds = None if seeds is None else seeds[index]
+                state = state.select(index)
                 sampler.keep(rows)
                 live = [live[i] for i in rows]
             active = ~torch.tensor([done[r] for r in live], device=device)
-            # The drafter writes no position past this bound; a compiled step takes no host ints
-            # (each value would be a new graph) and checks nothing: the cache has room for every step.
-            top = None if self.compiled else max(position_host[r] for r in live if not done[r]) + drafting.max_depth
-            out, accepted, last, position = self.step(last, position, active, seeds, sampler, top)
+            out, accepted, last, position, state = self.step(last, position, active, seeds, sampler, state)
             # The one sync per step (stopping needs it): tokens, accepted counts and stop columns.
             out_host, stop = _read_tokens(torch.cat([accepted[:, None], out], dim=1), stops, skip=1)
             accepted_host = [row.pop(0) for row in out_host]
@@ -444,14 +445,17 @@ class SpeculativeDecoder:
         return GenerateResult(generated, stats)
 
     def _step(self, last: torch.Tensor, position: torch.Tensor, active: torch.Tensor, seeds: torch.Tensor | None,
-              sampler: "_Sampler", top: int | None) -> tuple[torch.Tensor, ...]:
-        """One step on the device, no host synchronization (compile=True: one graph): draft,
-        verify in one target forward, keep the accepted path, prefill the drafter with it.
-        Returns (out_ids, num_accepted, the new last token, its position); ``top`` bounds the
-        positions the drafter's prefill writes (None: unchecked)."""
+              sampler: "_Sampler", state: DraftState) -> tuple[torch.Tensor, ...]:
+        """One step on the device, no host synchronization (compile=True: one graph): draft from
+        the drafter's ``state``, verify in one target forward, commit the accepted path, prefill the
+        drafter with it. Returns (out_ids, num_accepted, the new last token, its position, the
+        drafter's next state)."""
         target, drafter, drafting = self.target, self.drafter, self.drafting
         root = torch.where(active, position, -1)
-        proposal = drafting.propose(root) if sampler.seen is None else drafting.propose(root, sampler.draft_penalty())
+        if sampler.seen is None:
+            proposal = drafting.propose(root, state)
+        else:
+            proposal = drafting.propose(root, state, sampler.draft_penalty())
         tokens = torch.cat([last[:, None], proposal.draft_ids], dim=1)
         logits = target(tokens, torch.where(active[:, None], position[:, None] + proposal.depths, -1), tree=proposal.tree)
         logits = sampler.penalize(logits, proposal.draft_ids)
@@ -459,7 +463,7 @@ class SpeculativeDecoder:
             logits = sampler.process(logits)
         out, accepted, path = drafting.verify(proposal, logits, seeds, position + 1)
         sampler.observe(out, torch.arange(out.shape[1], device=out.device) <= accepted[:, None])
-        drafting.keep(proposal, path)
+        drafting.commit(proposal, path)
         # The drafter's next pairs: features of the accepted path [last, drafts...] with the
         # tokens after them, at consecutive positions (a fixed width: one shape per step).
         batch, width = tokens.shape[0], drafting.max_depth + 1
@@ -468,6 +472,6 @@ class SpeculativeDecoder:
         norm_mode, norm_weight = drafter.fc_norm_mode()
         fc_input = target.capture.gather(rows.reshape(-1), norm_mode, norm_weight, drafter.config.rms_norm_eps)
         pair_positions = torch.where(keep, position[:, None] + torch.arange(width, device=last.device), -1)
-        drafter.prefill(fc_input.view(batch, width, -1), out[:, :width].clamp(min=0), pair_positions, normalized=True,
-                        max_position=top, last_only=True)
-        return out, accepted, out.gather(1, accepted[:, None])[:, 0], position + accepted + 1
+        _, state = drafter.prefill(fc_input.view(batch, width, -1), out[:, :width].clamp(min=0), pair_positions,
+                                   normalized=True, last_only=True, packed=not self.compiled, check_bounds=False)
+        return out, accepted, out.gather(1, accepted[:, None])[:, 0], position + accepted + 1, state

@@ -1,24 +1,45 @@
 """Drafting strategies: what the decode loop asks of a drafter each step, behind one small
-interface (:class:`Drafting`): propose drafts, verify them against the target's logits,
-and keep what was accepted.
+interface (:class:`Drafting`): propose drafts from the drafter's state, verify them against the
+target's logits, and commit what was accepted.
 
 - :class:`ChainDrafting` (chain.py): k sequential EAGLE-3 draft steps, chain verification;
 - :class:`ParallelDrafting` (parallel.py): P-EAGLE, k drafts from one drafter forward;
 - :class:`TreeDrafting` (tree.py): an EAGLE-2 dynamic tree, tree verification.
+
+The drafter (models/eagle3.py) is the network: its forward, and its prefill, which returns the
+:class:`~qspec_ext.models.eagle3.DraftState` these strategies draft from.
 """
 
+from typing import Protocol
+
+import torch
+
 from ..arguments import check_int
-from .chain import ChainDrafting, Proposal
-from .parallel import ParallelDrafting
-from .tree import TreeDrafting
+from ..models.eagle3 import DraftState
+from .chain import ChainDrafting, Penalty, Proposal, chain_logits
+from .parallel import ParallelDrafting, parallel_logits
+from .tree import TreeDrafting, tree_draft
 
-Drafting = ChainDrafting | ParallelDrafting | TreeDrafting
+__all__ = ["ChainDrafting", "Drafting", "ParallelDrafting", "Proposal", "TreeDrafting", "chain_logits",
+           "make_drafting", "parallel_logits", "tree_draft"]
 
-__all__ = ["ChainDrafting", "Drafting", "ParallelDrafting", "Proposal", "TreeDrafting", "make_drafting"]
+
+class Drafting(Protocol):
+    kind: str
+    max_depth: int  # most drafts one step can accept
+    num_draft_tokens: int  # rows the target verifies past the last token
+    cache_margin: int  # positions past a request's new tokens that a step may write
+
+    def propose(self, root: torch.Tensor, state: DraftState, penalty: Penalty | None = None) -> Proposal: ...
+
+    def verify(self, proposal: Proposal, logits: torch.Tensor, seeds: torch.Tensor | None,
+               offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def commit(self, proposal: Proposal, path: torch.Tensor) -> None: ...
 
 
 def make_drafting(target, drafter, num_speculative_tokens: int, topk: int = 1,
-                  num_draft_tokens: int | None = None) -> Drafting:
+                  num_draft_tokens: int | None = None, check_bounds: bool = True) -> Drafting:
     """The strategy for these settings: a tree when topk > 1, else the drafter's own kind
     (P-EAGLE drafters draft in parallel, EAGLE-3 drafters in a chain)."""
     where = "SpeculativeDecoder"
@@ -28,5 +49,5 @@ def make_drafting(target, drafter, num_speculative_tokens: int, topk: int = 1,
             raise ValueError(f"{where}: num_draft_tokens={num_draft_tokens} needs a tree (topk > 1); a chain "
                              f"verifies num_speculative_tokens={num_speculative_tokens} drafts")
         kind = ParallelDrafting if drafter.config.parallel_drafting else ChainDrafting
-        return kind(drafter, num_speculative_tokens)
-    return TreeDrafting(target, drafter, num_speculative_tokens, topk, num_draft_tokens)
+        return kind(drafter, num_speculative_tokens, check_bounds)
+    return TreeDrafting(target, drafter, num_speculative_tokens, topk, num_draft_tokens, check_bounds)

@@ -1,19 +1,81 @@
-"""Tree drafting: an EAGLE-2 dynamic tree per request (Eagle3Drafter.draft_tree), one target
-forward over the tree with tree attention, lossless tree verification, and the accepted
-path's K/V moved to consecutive cache slots."""
+"""Tree drafting: an EAGLE-2 dynamic tree per request (:func:`tree_draft`), one target forward
+over the tree with tree attention, lossless tree verification, and the accepted path's K/V moved
+to consecutive cache slots."""
 
 import torch
 
 from ..arguments import check_int
+from ..models.eagle3 import DraftState
 from ..models.layers import TreeAttention, tree_ancestors
 from ..ops import verify_tree_greedy, verify_tree_sampling
 from .chain import Proposal
 
 
+def tree_draft(drafter, state: DraftState, depth: int, topk: int,
+               num_draft_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An EAGLE-2 dynamic draft tree per request, from ``state`` (the last prefilled pair).
+
+    Depth 1: the topk tokens of the draft distribution. Each further step runs the topk
+    current leaves (the beam) through the drafter at once, each attending to the context and
+    its own ancestors, and scores their topk children by cumulative log-probability; the
+    topk best children are the next beam. Of all candidates, the ``num_draft_tokens`` best
+    (ties to the earlier) form the tree: a parent scores at least as well as its children and
+    comes first, so the set holds every chosen node's ancestors. Returns target-vocab
+    ``draft_ids [B, N]`` and ``parents [B, N]`` (node i+1's parent, 0 = the root) in
+    topological order, the layout of ``verify_tree_*``.
+
+    The beam's K/V go to the (depth - 1) * topk cache slots after the last prefilled pair;
+    the next prefill overwrites them."""
+    candidates = topk + (depth - 1) * topk * topk
+    if not 1 <= num_draft_tokens <= candidates:
+        raise ValueError(f"tree_draft: num_draft_tokens must be in [1, {candidates}] "
+                         f"(topk + (depth - 1) * topk^2 candidates), got {num_draft_tokens}")
+    B, device = state.logits.shape[0], state.logits.device
+    beam_scores, beam_tokens = torch.log_softmax(state.logits.float(), dim=-1).topk(topk, dim=-1)
+    scores, tokens = [beam_scores], [beam_tokens]
+    pool_parents = [torch.full((B, topk), -1, dtype=torch.long, device=device)]  # -1: the root
+    beam = torch.arange(topk, device=device).expand(B, topk)  # pool index of each beam node
+    hidden = state.hidden[:, None].expand(B, topk, -1)
+    # Each beam node's ancestors, as offsets into the beam slots (step * topk + beam index).
+    lineage = torch.empty(B, topk, 0, dtype=torch.long, device=device)
+    start = state.next_position
+    for step in range(depth - 1):
+        own = step * topk + torch.arange(topk, device=device).expand(B, topk)
+        lineage = torch.cat([lineage, own[..., None]], dim=-1)
+        seen = torch.zeros(B, topk, (step + 1) * topk, dtype=torch.bool, device=device)
+        seen.scatter_(2, lineage, True)
+        tree = TreeAttention(start, seen, drafter.max_length, first=step * topk)
+        positions = (start + step)[:, None].expand(B, topk)
+        logits, x_next = drafter(hidden, drafter.draft_to_target(beam_tokens), positions, False, tree=tree)
+        child_scores, child_tokens = torch.log_softmax(logits.float(), dim=-1).topk(topk, dim=-1)
+        total = (beam_scores[..., None] + child_scores).view(B, topk * topk)
+        scores.append(total)
+        tokens.append(child_tokens.view(B, topk * topk))
+        pool_parents.append(beam[..., None].expand(B, topk, topk).reshape(B, topk * topk))
+        beam_scores, best = total.topk(topk, dim=-1)
+        parent = best // topk
+        beam = topk + step * topk * topk + best
+        beam_tokens = child_tokens.view(B, topk * topk).gather(1, best)
+        hidden = x_next.gather(1, parent[..., None].expand(-1, -1, x_next.shape[-1]))
+        lineage = lineage.gather(1, parent[..., None].expand(-1, -1, lineage.shape[-1]))
+    scores, tokens, pool_parents = torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(pool_parents, 1)
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :num_draft_tokens]
+    chosen = order.sort(dim=1).values  # pool order is topological
+    node_of = torch.zeros_like(scores, dtype=torch.long)
+    node_of.scatter_(1, chosen, torch.arange(1, num_draft_tokens + 1, device=device).expand(B, -1))
+    parent_pool = pool_parents.gather(1, chosen)
+    parents = torch.where(parent_pool < 0, 0, node_of.gather(1, parent_pool.clamp(min=0)))
+    return drafter.draft_to_target(tokens.gather(1, chosen)), parents
+
+
 class TreeDrafting:
+    """An EAGLE-2 tree of ``depth`` and ``topk`` per step, its ``num_draft_tokens`` best nodes
+    verified. ``check_bounds``: as :class:`~qspec_ext.drafting.chain.ChainDrafting`'s."""
+
     kind = "tree"
 
-    def __init__(self, target, drafter, depth: int, topk: int, num_draft_tokens: int | None):
+    def __init__(self, target, drafter, depth: int, topk: int, num_draft_tokens: int | None,
+                 check_bounds: bool = True):
         where = "SpeculativeDecoder"
         if not target.capabilities.trees:
             raise ValueError(f"{where}: tree drafting (topk > 1) needs a target that runs tree attention "
@@ -27,15 +89,22 @@ class TreeDrafting:
         if num_draft_tokens > candidates:
             raise ValueError(f"{where}: num_draft_tokens={num_draft_tokens} exceeds the {candidates} candidates of a "
                              f"tree of depth {depth} and topk {topk} (topk + (depth - 1) * topk^2)")
-        self.target, self.drafter = target, drafter
+        self.target, self.drafter, self.check_bounds = target, drafter, check_bounds
         self.depth, self.topk, self.num_draft_tokens = depth, topk, num_draft_tokens
         self.max_depth = min(depth, num_draft_tokens)  # most drafts one step can accept
         # The target's tree takes N + 1 slots from the last verified token; the drafter's beam
         # (depth - 1) * topk; a request may end depth tokens past its last new token.
         self.cache_margin = depth + max(num_draft_tokens + 1, (depth - 1) * topk + 1)
 
-    def propose(self, root: torch.Tensor) -> Proposal:
-        draft_ids, parents = self.drafter.draft_tree(self.depth, self.topk, self.num_draft_tokens)
+    def draft(self, state: DraftState) -> tuple[torch.Tensor, torch.Tensor]:
+        """(draft_ids [B, N], parents [B, N]): :func:`tree_draft`."""
+        if self.check_bounds:
+            self.drafter.check_draft_room(type(self).__name__, state, (self.depth - 1) * self.topk,
+                                          f"a tree of depth {self.depth} and topk {self.topk}")
+        return tree_draft(self.drafter, state, self.depth, self.topk, self.num_draft_tokens)
+
+    def propose(self, root: torch.Tensor, state: DraftState) -> Proposal:
+        draft_ids, parents = self.draft(state)
         ancestors = tree_ancestors(parents)
         depths = ancestors.sum(-1) - 1
         tree = TreeAttention(root, ancestors, self.target.max_length)
@@ -48,5 +117,6 @@ class TreeDrafting:
         ones = torch.ones(logits.shape[0], device=logits.device)
         return verify_tree_sampling(proposal.draft_ids, proposal.parents, logits, ones, seeds, offset)
 
-    def keep(self, proposal: Proposal, path: torch.Tensor) -> None:
+    def commit(self, proposal: Proposal, path: torch.Tensor) -> None:
+        """Moves the accepted path's K/V to consecutive cache slots (the target's)."""
         self.target.keep_path(proposal.tree, path)

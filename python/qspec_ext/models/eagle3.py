@@ -25,7 +25,6 @@ from torch import nn
 from .. import ops, reference
 from ..arguments import check_load
 from ..rope import rope_config, rope_parameters
-from ..sampling import apply_repetition_penalty
 from .checkpoint import CheckpointError, check_tensors, load_tensors, read_config, resolve_checkpoint, save_tensors
 from .layers import (MLP, Attention, CachedPositions, RMSNormWeight, TreeAttention, keep_requests, static_caches,
                      static_cos_sin)
@@ -243,11 +242,17 @@ class DecoderLayer(nn.Module):
 
 @dataclass
 class DraftState:
-    """What the next draft step needs per request, set by prefill."""
+    """What the next draft step needs per request: made by :meth:`Eagle3Drafter.prefill`, read by
+    the drafting strategies (qspec_ext.drafting). It is passed explicitly, never kept on the
+    drafter: a compiled decode step takes it as an input and returns the next one."""
 
     logits: torch.Tensor  # [B, Vd] draft logits at the last prefilled pair
     hidden: torch.Tensor  # [B, H] x_next of that pair
     next_position: torch.Tensor  # [B] int64
+
+    def select(self, rows: torch.Tensor) -> "DraftState":
+        """The state of requests ``rows`` (the batch after finished requests leave)."""
+        return DraftState(self.logits[rows], self.hidden[rows], self.next_position[rows])
 
 
 def check_vocab_mapping(file: Path, d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int) -> None:
@@ -298,8 +303,6 @@ class Eagle3Drafter(nn.Module):
         self.allocated: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.max_length = 0
         self.cos_sin: torch.Tensor | None = None
-        self.state: DraftState | None = None
-        self.max_next_position = 0  # host copy of state.next_position.max(): draft() checks with no sync
 
     # ------------------------------------------------------------------ caches
     @property
@@ -320,17 +323,13 @@ class Eagle3Drafter(nn.Module):
         self.caches = self.allocated = static_caches(self.allocated, len(self.layers), shape, p)
         pack_linears(self)
         self.cos_sin = static_cos_sin(self.cos_sin, max_length, c, p.device)
-        self.state = None
 
     @torch.no_grad()
     def keep_requests(self, rows: list[int], lengths: list[int]) -> None:
         """The batch becomes requests ``rows`` (``rows[i] >= i``, distinct), request ``rows[i]`` now
-        request i with its first ``lengths[i]`` cache positions and its draft state."""
+        request i with its first ``lengths[i]`` cache positions (its draft state: DraftState.select)."""
         self.caches = keep_requests(self.caches, rows, lengths, self.max_length)
         self.batch_size = len(rows)
-        if self.state is not None:
-            index = torch.tensor(rows, device=self.state.next_position.device)
-            self.state = DraftState(*(getattr(self.state, f.name)[index] for f in dataclasses.fields(self.state)))
 
     # ------------------------------------------------------------------ forward
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
@@ -359,7 +358,7 @@ class Eagle3Drafter(nn.Module):
 
     def forward(
         self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, from_features: bool,
-        normalized: bool = False, tree: TreeAttention | None = None, last_only: bool = False,
+        normalized: bool = False, tree: TreeAttention | None = None, last_only: bool = False, packed: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One pass over pairs: hidden ``[B, T, n*H]`` features (from_features; already the
         normalized fc input when ``normalized``) or ``[B, T, H]`` x_next; tokens, positions
@@ -367,15 +366,15 @@ class Eagle3Drafter(nn.Module):
         (``[B, Vd]``, ``[B, H]`` at each request's last position with ``last_only``: the final
         norm and lm_head run on those rows only); writes the pairs' K/V into the cache (at the
         slots of ``tree`` when the pairs are tree nodes, which then attend to the context and
-        their ancestors only)."""
+        their ancestors only). ``packed`` (with last_only): the valid rows run without the grid's
+        padding, a data-dependent shape that a static-shape compiled graph cannot take."""
         c, o = self.config, self.ops
         B, T = tokens.shape
         if B != self.batch_size or not self.caches:
             raise RuntimeError(f"Eagle3Drafter: call setup({B}, max_length) first (set up for {getattr(self, 'batch_size', None)})")
-        # last_only (a prefill): the tokens run packed, without the grid's padding (eager: a
-        # compiled graph keeps its static shapes), and the last layer attends, and runs its MLP,
-        # for each request's last token only (every token's K/V is still written).
-        at = CachedPositions(positions, self.max_length, tree, packed=last_only and not torch.compiler.is_compiling())
+        # last_only (a prefill): the last layer attends, and runs its MLP, for each request's last
+        # token only (every token's K/V is still written).
+        at = CachedPositions(positions, self.max_length, tree, packed=last_only and packed)
         if from_features:
             features = at.tokens(hidden.reshape(B * T, -1))
             x = self.fc(features if normalized else self.fc_input(features))
@@ -406,162 +405,34 @@ class Eagle3Drafter(nn.Module):
             return logits, x_next
         return logits.view(B, T, -1), x_next.view(B, T, -1)
 
-    # ------------------------------------------------------------------ drafting API
+    # ------------------------------------------------------------------ prefill
     @torch.no_grad()
     def prefill(self, aux_features: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
-                normalized: bool = False, max_position: int | None = None, last_only: bool = False) -> torch.Tensor:
+                normalized: bool = False, last_only: bool = False, packed: bool = True,
+                check_bounds: bool = True) -> tuple[torch.Tensor, DraftState]:
         """Runs pairs (features of token t, token t+1) at ``positions`` (``[B, T]``, -1 = padding)
-        through the drafter, filling the KV cache; returns draft logits ``[B, T, Vd]`` (``[B, Vd]``
+        through the drafter, filling the KV cache. Returns draft logits ``[B, T, Vd]`` (``[B, Vd]``
         of each request's last pair with ``last_only``, which skips the lm_head of the other rows:
-        what decoding uses) and keeps the last pair of each request as the start of the next
-        :meth:`draft`. Also used after a verification with the accepted tokens (positions rewind
-        the cache). ``normalized``: the features are already the fc input (gathered with
-        :meth:`fc_norm_mode`). ``max_position``: the largest position or a bound of it, when the
-        caller knows one (saves a host synchronization).
-
-        Inside a compiled decode step (``torch.compiler.is_compiling()``) the host-side checks
-        here and in :meth:`draft` are skipped: SpeculativeDecoder sized the caches for every step."""
-        if not torch.compiler.is_compiling():
-            top = int(positions.max()) if max_position is None else max_position
+        what decoding uses) and the :class:`DraftState` that the next drafts start from (each
+        request's last pair). Also used after a verification with the accepted tokens (positions
+        rewind the cache). ``normalized``: the features are already the fc input (gathered with
+        :meth:`fc_norm_mode`). ``check_bounds``: positions past the cache are an error (a host
+        synchronization; the decode loop sizes the cache once per generate call and skips it)."""
+        if check_bounds:
+            top = int(positions.max())
             if top >= self.max_length:
                 raise ValueError(f"Eagle3Drafter.prefill: position {top} beyond the cache ({self.max_length})")
-            self.max_next_position = top + 1
-        logits, x_next = self(aux_features, next_tokens, positions, True, normalized, last_only=last_only)
+        logits, x_next = self(aux_features, next_tokens, positions, True, normalized, last_only=last_only,
+                              packed=packed)
         last = (torch.arange(positions.shape[0], device=positions.device), positions.argmax(dim=1))
         last_logits, last_x = (logits, x_next) if last_only else (logits[last], x_next[last])
-        self.state = DraftState(last_logits.float(), last_x, positions[last] + 1)
-        return logits
+        return logits, DraftState(last_logits.float(), last_x, positions[last] + 1)
 
-    @torch.no_grad()
-    def draft(self, k: int, return_probs: bool = False, parallel: bool | None = None,
-              penalty: tuple[float, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """k greedy draft tokens per request (target-vocab ids ``[B, k]``) and, if asked, the
-        draft distributions ``[B, k, Vd]`` they were taken from. Writes the drafts' K/V at the
-        positions after the last prefilled pair; the next prefill overwrites them.
-
-        A chain drafter runs k - 1 sequential steps, each fed the previous draft; a P-EAGLE
-        drafter (``config.parallel_drafting``) runs one forward over k - 1 mask slots.
-        ``parallel`` (default: the drafter's kind) must match the drafter. ``penalty``: (a
-        repetition penalty, the tokens each request has seen ``[B, V]`` bool): the draft logits get
-        the penalty the target's will get in verification, of the tokens seen and (chains) drafted
-        before them, so drafts follow what a penalized target picks."""
-        c = self.config
-        parallel = c.parallel_drafting if parallel is None else parallel
-        if parallel != c.parallel_drafting:
-            kind = "a P-EAGLE (parallel) drafter" if c.parallel_drafting else "a chain EAGLE-3 drafter"
-            raise ValueError(f"Eagle3Drafter.draft: {'parallel' if parallel else 'chain'} drafting asked of {kind}")
-        if self.state is None:
-            raise RuntimeError("Eagle3Drafter.draft: call prefill first")
-        if not torch.compiler.is_compiling() and self.max_next_position + k - 1 > self.max_length:
-            raise ValueError(
-                f"Eagle3Drafter.draft: {k} drafts from position {self.max_next_position} overrun the cache "
-                f"({self.max_length})")
-        if penalty is not None:  # the seen tokens of the draft vocabulary
-            vocab = torch.arange(c.draft_vocab_size, device=penalty[1].device)
-            penalty = (penalty[0], penalty[1][:, self.draft_to_target(vocab)])
-        logits = self.draft_parallel(k, penalty) if parallel else self.draft_chain(k, penalty)
-        drafts = self.draft_to_target(logits.argmax(dim=-1))
-        return drafts, torch.softmax(logits, dim=-1) if return_probs else None
-
-    def draft_chain(self, k: int, penalty: tuple[float, torch.Tensor] | None = None) -> torch.Tensor:
-        """The logits [B, k, Vd] of k sequential draft steps; ``penalty``: (repetition penalty, the
-        seen draft-vocabulary tokens [B, Vd]), each step's drafted token seen by the next steps."""
-        logits, hidden, position = self.state.logits, self.state.hidden, self.state.next_position
-        factor, seen = penalty if penalty is not None else (1.0, None)
-        # Copied out at each step: a compiled step (a CUDA graph) reuses its output buffers.
-        rows = logits.new_empty(logits.shape[0], k, logits.shape[1])
-        rows[:, 0] = logits = logits if seen is None else apply_repetition_penalty(logits, seen, factor)
-        for i in range(1, k):
-            choice = logits.argmax(dim=-1)
-            if seen is not None:
-                seen = seen.scatter(1, choice[:, None], True)
-            token = self.draft_to_target(choice)
-            step_logits, hidden = self(hidden[:, None], token[:, None], position[:, None], from_features=False)
-            logits = step_logits[:, 0]
-            rows[:, i] = logits = logits if seen is None else apply_repetition_penalty(logits, seen, factor)
-            hidden, position = hidden[:, 0], position + 1
-        return rows
-
-    def draft_parallel(self, k: int, penalty: tuple[float, torch.Tensor] | None = None) -> torch.Tensor:
-        """The logits [B, k, Vd] of one P-EAGLE forward: the last prefilled pair gives draft 1,
-        mask slots at the k - 1 next positions give drafts 2..k. ``penalty``: as
-        :meth:`draft_chain`'s, of the tokens seen before the step (not the step's own drafts)."""
-        if penalty is not None:
-            logits = self.draft_parallel(k)
-            return apply_repetition_penalty(logits, penalty[1], penalty[0])
-        first = self.state.logits[:, None]
-        if k == 1:
-            return first
-        B = first.shape[0]
-        positions = self.state.next_position[:, None] + torch.arange(k - 1, device=first.device)
-        tokens = torch.full_like(positions, self.config.mask_token_id)
-        features = self.mask_hidden.expand(B, k - 1, -1)
-        slots, _ = self(features, tokens, positions, from_features=True)
-        return torch.cat([first, slots.float()], dim=1)
-
-    @torch.no_grad()
-    def draft_tree(self, depth: int, topk: int, num_draft_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """An EAGLE-2 dynamic draft tree per request, from the last prefilled pair.
-
-        Depth 1: the topk tokens of the draft distribution. Each further step runs the topk
-        current leaves (the beam) through the drafter at once, each attending to the context and
-        its own ancestors, and scores their topk children by cumulative log-probability; the
-        topk best children are the next beam. Of all candidates, the ``num_draft_tokens`` best
-        (ties to the earlier) form the tree: a parent scores at least as well as its children and
-        comes first, so the set holds every chosen node's ancestors. Returns target-vocab
-        ``draft_ids [B, N]`` and ``parents [B, N]`` (node i+1's parent, 0 = the root) in
-        topological order, the layout of ``verify_tree_*``.
-
-        The beam's K/V go to the (depth - 1) * topk cache slots after the last prefilled pair;
-        the next prefill overwrites them."""
-        if self.config.parallel_drafting:
-            raise ValueError("Eagle3Drafter.draft_tree: tree drafting asked of a P-EAGLE (parallel) drafter")
-        if self.state is None:
-            raise RuntimeError("Eagle3Drafter.draft_tree: call prefill first")
-        candidates = topk + (depth - 1) * topk * topk
-        if not 1 <= num_draft_tokens <= candidates:
-            raise ValueError(f"Eagle3Drafter.draft_tree: num_draft_tokens must be in [1, {candidates}] "
-                             f"(topk + (depth - 1) * topk^2 candidates), got {num_draft_tokens}")
-        if not torch.compiler.is_compiling() and self.max_next_position + (depth - 1) * topk > self.max_length:
-            raise ValueError(f"Eagle3Drafter.draft_tree: a tree of depth {depth} and topk {topk} from position "
-                             f"{self.max_next_position} overruns the cache ({self.max_length})")
-        state = self.state
-        B, device = state.logits.shape[0], state.logits.device
-        beam_scores, beam_tokens = torch.log_softmax(state.logits.float(), dim=-1).topk(topk, dim=-1)
-        scores, tokens = [beam_scores], [beam_tokens]
-        pool_parents = [torch.full((B, topk), -1, dtype=torch.long, device=device)]  # -1: the root
-        beam = torch.arange(topk, device=device).expand(B, topk)  # pool index of each beam node
-        hidden = state.hidden[:, None].expand(B, topk, -1)
-        # Each beam node's ancestors, as offsets into the beam slots (step * topk + beam index).
-        lineage = torch.empty(B, topk, 0, dtype=torch.long, device=device)
-        start = state.next_position
-        for step in range(depth - 1):
-            own = step * topk + torch.arange(topk, device=device).expand(B, topk)
-            lineage = torch.cat([lineage, own[..., None]], dim=-1)
-            seen = torch.zeros(B, topk, (step + 1) * topk, dtype=torch.bool, device=device)
-            seen.scatter_(2, lineage, True)
-            tree = TreeAttention(start, seen, self.max_length, first=step * topk)
-            positions = (start + step)[:, None].expand(B, topk)
-            logits, x_next = self(hidden, self.draft_to_target(beam_tokens), positions, False, tree=tree)
-            child_scores, child_tokens = torch.log_softmax(logits.float(), dim=-1).topk(topk, dim=-1)
-            total = (beam_scores[..., None] + child_scores).view(B, topk * topk)
-            scores.append(total)
-            tokens.append(child_tokens.view(B, topk * topk))
-            pool_parents.append(beam[..., None].expand(B, topk, topk).reshape(B, topk * topk))
-            beam_scores, best = total.topk(topk, dim=-1)
-            parent = best // topk
-            beam = topk + step * topk * topk + best
-            beam_tokens = child_tokens.view(B, topk * topk).gather(1, best)
-            hidden = x_next.gather(1, parent[..., None].expand(-1, -1, x_next.shape[-1]))
-            lineage = lineage.gather(1, parent[..., None].expand(-1, -1, lineage.shape[-1]))
-        scores, tokens, pool_parents = torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(pool_parents, 1)
-        order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :num_draft_tokens]
-        chosen = order.sort(dim=1).values  # pool order is topological
-        node_of = torch.zeros_like(scores, dtype=torch.long)
-        node_of.scatter_(1, chosen, torch.arange(1, num_draft_tokens + 1, device=device).expand(B, -1))
-        parent_pool = pool_parents.gather(1, chosen)
-        parents = torch.where(parent_pool < 0, 0, node_of.gather(1, parent_pool.clamp(min=0)))
-        return self.draft_to_target(tokens.gather(1, chosen)), parents
+    def check_draft_room(self, where: str, state: DraftState, slots: int, what: str) -> None:
+        """``slots`` draft positions from each request's next position fit the cache (a host sync)."""
+        start = int(state.next_position.max())
+        if start + slots > self.max_length:
+            raise ValueError(f"{where}: {what} from position {start} would overrun the cache ({self.max_length})")
 
     # ------------------------------------------------------------------ checkpoints
     @classmethod
