@@ -278,50 +278,108 @@ def generate_plain(target, prompts: list[list[int]], max_new_tokens: int, temper
     check_repetition_penalty("generate_plain", repetition_penalty, compile)
     if max_new_tokens == 0:
         return _nothing_to_generate(prompts)
+    sampling = _Sampling(temperature, top_k, top_p, seed, repetition_penalty)
     with compiling(compile):
-        return _generate_plain(target, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids, seed,
-                               max_length, compile, on_tokens, repetition_penalty)
+        return _decode(target, _PlainSteps(target, compile), prompts, max_new_tokens, sampling, stop_ids,
+                       bucketed(max_length, compile), compile, on_tokens)
 
 
-def _generate_plain(target, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids, seed, max_length,
-                    compile, on_tokens, repetition_penalty) -> GenerateResult:
+@dataclass
+class _Sampling:
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    seed: int
+    repetition_penalty: float
+
+
+def _decode(target, steps, prompts: list[list[int]], max_new_tokens: int, sampling: _Sampling, stop_ids: list[int],
+            cache_length: int, compiled: bool, on_tokens: TokenCallback | None) -> GenerateResult:
+    """The decode loop, plain or speculative (``steps``: :class:`_PlainSteps` or
+    :class:`_SpeculativeSteps`): the prompts' prefill and first token, then steps of 1 to k + 1
+    tokens per request until each stops; the batch bookkeeping (stop ids, streaming, finished
+    requests leaving the batch, the stats) in this one place."""
     device = target.device
-    forward = compiled_method(target, "forward") if compile else target
     start = time.perf_counter()
     batch = len(prompts)
-    target.setup(batch, bucketed(max_length, compile))
-    sampler = _Sampler(batch, temperature, top_k, top_p, seed, device, repetition_penalty, prompts,
-                       target.config.vocab_size)
+    target.setup(batch, cache_length)
+    steps.setup(batch, cache_length)
+    sampler = _Sampler(batch, sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed, device,
+                       sampling.repetition_penalty, prompts, target.config.vocab_size)
     stops = _StopIds(stop_ids, device)
+    stats = SpecDecodeStats(accepted_per_position=[0] * steps.max_depth, num_requests=batch)
+
+    # Prefill: the target reads the prompts and picks the first token.
     tokens, positions = _prefill_inputs(prompts, device)
-    next_token = sampler.pick(target(tokens, positions, last_only=True))
-    sampler.observe(next_token[:, None])
+    first = sampler.pick(target(tokens, positions, last_only=True))
+    sampler.observe(first[:, None])
     generated: list[list[int]] = [[] for _ in prompts]
-    new, stop = _read_tokens(next_token[:, None], stops)
+    new, stop = _read_tokens(first[:, None], stops)
     done = [_finish(g, n, max_new_tokens, s, on_tokens, b) for b, (g, n, s) in enumerate(zip(generated, new, stop))]
-    first_token_time = time.perf_counter() - start
-    position = torch.tensor([len(p) for p in prompts], device=device)
+    stats.first_token_time = time.perf_counter() - start
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    steps.start(tokens, positions, lengths, first)  # (the drafter's prefill counts as decode time)
+
+    last, position = first, lengths  # the newest token and its position (not yet in the target's cache)
+    position_host = [len(p) for p in prompts]  # per request
     live = list(range(batch))  # the request in each row of the batch
     while not all(done):
-        rows = _kept_rows(live, done, compile)
+        rows = _kept_rows(live, done, compiled)
         if rows is not None:
-            target.keep_requests(rows, [len(prompts[live[i]]) + len(generated[live[i]]) for i in rows])
+            kept = [min(position_host[live[i]] + steps.cache_margin, cache_length) for i in rows]
+            target.keep_requests(rows, kept)
             index = torch.tensor(rows, device=device)
-            next_token, position = next_token[index], position[index]
+            steps.keep_requests(rows, kept, index)
+            last, position = last[index], position[index]
             sampler.keep(rows)
             live = [live[i] for i in rows]
-        step_pos = torch.where(torch.tensor([done[r] for r in live], device=device), -1, position)[:, None]
-        logits = forward(next_token[:, None], step_pos)[:, 0]
-        next_token = sampler.pick(logits)
-        sampler.observe(next_token[:, None])
-        new, stop = _read_tokens(next_token[:, None], stops)
+        active = ~torch.tensor([done[r] for r in live], device=device)
+        out, accepted, last, position = steps.step(last, position, active, sampler)
+        # The one sync per step (stopping needs it): tokens, accepted counts and stop columns.
+        out_host, stop = _read_tokens(torch.cat([accepted[:, None], out], dim=1), stops, skip=1)
+        accepted_host = [row.pop(0) for row in out_host]
+
         for i, r in enumerate(live):
-            if not done[r]:
-                done[r] = _finish(generated[r], new[i], max_new_tokens, stop[i], on_tokens, r)
-        position = position + 1
-    stats = SpecDecodeStats(num_generated_tokens=sum(map(len, generated)), num_requests=batch,
-                            wall_time=time.perf_counter() - start, first_token_time=first_token_time)
+            if done[r]:
+                continue
+            n = accepted_host[i]
+            position_host[r] += n + 1
+            if steps.num_draft_tokens:
+                stats.num_drafts += 1
+                stats.num_draft_tokens += steps.num_draft_tokens
+                stats.num_accepted_tokens += n
+                for j in range(n):
+                    stats.accepted_per_position[j] += 1
+            done[r] = _finish(generated[r], out_host[i][: n + 1], max_new_tokens, stop[i], on_tokens, r)
+    stats.num_generated_tokens = sum(map(len, generated))
+    stats.wall_time = time.perf_counter() - start
     return GenerateResult(generated, stats)
+
+
+class _PlainSteps:
+    """The loop's steps without a drafter: one target forward and one pick per token."""
+
+    max_depth = num_draft_tokens = 0
+    cache_margin = 1
+
+    def __init__(self, target, compiled: bool):
+        self.forward = compiled_method(target, "forward") if compiled else target
+
+    def setup(self, batch: int, cache_length: int) -> None:
+        pass
+
+    def start(self, tokens, positions, lengths, first) -> None:
+        pass
+
+    def keep_requests(self, rows: list[int], lengths: list[int], index: torch.Tensor) -> None:
+        pass
+
+    def step(self, last, position, active, sampler) -> tuple[torch.Tensor, ...]:
+        """(the new token [B, 1], 0 accepted drafts, the new token, its position)."""
+        logits = self.forward(last[:, None], torch.where(active, position, -1)[:, None])[:, 0]
+        token = sampler.pick(logits)
+        sampler.observe(token[:, None])
+        return token[:, None], torch.zeros_like(position), token, position + 1
 
 
 class SpeculativeDecoder:
@@ -367,82 +425,12 @@ class SpeculativeDecoder:
                                  tree=isinstance(self.drafting, TreeDrafting))
         if max_new_tokens == 0:
             return _nothing_to_generate(prompts)
-        with compiling(self.compiled):
-            return self._generate(prompts, max_new_tokens, temperature, top_k, top_p, stop_ids, seed, on_tokens,
-                                  repetition_penalty)
-
-    def _generate(self, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids, seed,
-                  on_tokens, repetition_penalty) -> GenerateResult:
-        target, drafter, drafting = self.target, self.drafter, self.drafting
-        margin = drafting.cache_margin
-        device = drafter.device
-        start = time.perf_counter()
-        batch = len(prompts)
         needed = max(len(p) for p in prompts) + max_new_tokens + margin
         cache_length = max(needed, min(bucketed(needed, self.compiled), self.max_length))
-        target.setup(batch, cache_length)
-        drafter.setup(batch, cache_length)
-        sampler = _Sampler(batch, temperature, top_k, top_p, seed, device, repetition_penalty, prompts,
-                           target.config.vocab_size)
-        stops = _StopIds(stop_ids, device)
-        norm_mode, norm_weight = drafter.fc_norm_mode()
-        eps = drafter.config.rms_norm_eps
-        stats = SpecDecodeStats(accepted_per_position=[0] * drafting.max_depth, num_requests=batch)
-
-        # Prefill: the target reads the prompts and picks the first token; the drafter reads
-        # the pairs (feature of prompt token t, prompt token t+1 or that first token). The
-        # drafter's part counts as decode time (after first_token_time): plain decoding has none.
-        tokens, positions = _prefill_inputs(prompts, device)
-        first = sampler.pick(target(tokens, positions, last_only=True))
-        sampler.observe(first[:, None])
-        generated: list[list[int]] = [[] for _ in prompts]
-        new, stop = _read_tokens(first[:, None], stops)
-        done = [_finish(g, n, max_new_tokens, s, on_tokens, b) for b, (g, n, s) in enumerate(zip(generated, new, stop))]
-        stats.first_token_time = time.perf_counter() - start
-        lengths = torch.tensor([len(p) for p in prompts], device=device)
-        pair_tokens = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)
-        pair_tokens[torch.arange(batch, device=device), lengths - 1] = first
-        rows = torch.where(positions >= 0, torch.arange(tokens.numel(), device=device).view_as(tokens), -1)
-        fc_input = target.capture.gather(rows.reshape(-1), norm_mode, norm_weight, eps)
-        _, state = drafter.prefill(fc_input.view(batch, tokens.shape[1], -1), pair_tokens, positions, normalized=True,
-                                   last_only=True, check_bounds=False)
-
-        last, position = first, lengths  # the newest token and its position (not yet in the target's cache)
-        position_host = [len(p) for p in prompts]  # per request
-        seeds = None if temperature == 0.0 else torch.tensor([seed * 1_000_003 + b for b in range(batch)], device=device)
-        live = list(range(batch))  # the request in each row of the batch
-        while not all(done):
-            rows = _kept_rows(live, done, self.compiled)
-            if rows is not None:
-                kept = [min(position_host[live[i]] + margin, cache_length) for i in rows]
-                target.keep_requests(rows, kept)
-                drafter.keep_requests(rows, kept)
-                index = torch.tensor(rows, device=device)
-                last, position = last[index], position[index]
-                seeds = None if seeds is None else seeds[index]
-                state = state.select(index)
-                sampler.keep(rows)
-                live = [live[i] for i in rows]
-            active = ~torch.tensor([done[r] for r in live], device=device)
-            out, accepted, last, position, state = self.step(last, position, active, seeds, sampler, state)
-            # The one sync per step (stopping needs it): tokens, accepted counts and stop columns.
-            out_host, stop = _read_tokens(torch.cat([accepted[:, None], out], dim=1), stops, skip=1)
-            accepted_host = [row.pop(0) for row in out_host]
-
-            for i, r in enumerate(live):
-                if done[r]:
-                    continue
-                n = accepted_host[i]
-                position_host[r] += n + 1
-                stats.num_drafts += 1
-                stats.num_draft_tokens += drafting.num_draft_tokens
-                stats.num_accepted_tokens += n
-                for j in range(n):
-                    stats.accepted_per_position[j] += 1
-                done[r] = _finish(generated[r], out_host[i][: n + 1], max_new_tokens, stop[i], on_tokens, r)
-        stats.num_generated_tokens = sum(map(len, generated))
-        stats.wall_time = time.perf_counter() - start
-        return GenerateResult(generated, stats)
+        sampling = _Sampling(temperature, top_k, top_p, seed, repetition_penalty)
+        with compiling(self.compiled):
+            return _decode(self.target, _SpeculativeSteps(self, seed if temperature > 0 else None), prompts,
+                           max_new_tokens, sampling, stop_ids, cache_length, self.compiled, on_tokens)
 
     def _step(self, last: torch.Tensor, position: torch.Tensor, active: torch.Tensor, seeds: torch.Tensor | None,
               sampler: "_Sampler", state: DraftState) -> tuple[torch.Tensor, ...]:
@@ -475,3 +463,45 @@ class SpeculativeDecoder:
         _, state = drafter.prefill(fc_input.view(batch, width, -1), out[:, :width].clamp(min=0), pair_positions,
                                    normalized=True, last_only=True, packed=not self.compiled, check_bounds=False)
         return out, accepted, out.gather(1, accepted[:, None])[:, 0], position + accepted + 1, state
+
+
+class _SpeculativeSteps:
+    """The loop's steps with a drafter: the drafter's prefill of the prompts, then
+    :meth:`SpeculativeDecoder._step` (draft, verify, commit), carrying the drafter's state and
+    each request's sampling seed from step to step."""
+
+    def __init__(self, decoder: SpeculativeDecoder, seed: int | None):
+        self.decoder, self.seed = decoder, seed
+        drafting = decoder.drafting
+        self.max_depth, self.num_draft_tokens = drafting.max_depth, drafting.num_draft_tokens
+        self.cache_margin = drafting.cache_margin  # positions past the new tokens that drafts may use
+        self.state: DraftState | None = None
+        self.seeds: torch.Tensor | None = None
+
+    def setup(self, batch: int, cache_length: int) -> None:
+        self.decoder.drafter.setup(batch, cache_length)
+
+    def start(self, tokens, positions, lengths, first) -> None:
+        """The drafter reads the pairs (feature of prompt token t, prompt token t+1 or the first
+        new token)."""
+        target, drafter = self.decoder.target, self.decoder.drafter
+        batch, device = tokens.shape[0], tokens.device
+        pair_tokens = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)
+        pair_tokens[torch.arange(batch, device=device), lengths - 1] = first
+        rows = torch.where(positions >= 0, torch.arange(tokens.numel(), device=device).view_as(tokens), -1)
+        norm_mode, norm_weight = drafter.fc_norm_mode()
+        fc_input = target.capture.gather(rows.reshape(-1), norm_mode, norm_weight, drafter.config.rms_norm_eps)
+        _, self.state = drafter.prefill(fc_input.view(batch, tokens.shape[1], -1), pair_tokens, positions,
+                                        normalized=True, last_only=True, check_bounds=False)
+        if self.seed is not None:
+            self.seeds = torch.tensor([self.seed * 1_000_003 + b for b in range(batch)], device=device)
+
+    def keep_requests(self, rows: list[int], lengths: list[int], index: torch.Tensor) -> None:
+        self.decoder.drafter.keep_requests(rows, lengths)
+        self.state = self.state.select(index)
+        self.seeds = None if self.seeds is None else self.seeds[index]
+
+    def step(self, last, position, active, sampler) -> tuple[torch.Tensor, ...]:
+        out, accepted, last, position, self.state = self.decoder.step(last, position, active, self.seeds, sampler,
+                                                                      self.state)
+        return out, accepted, last, position
