@@ -32,7 +32,6 @@ import itertools
 import json
 import os
 import resource
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -42,7 +41,7 @@ import torch
 from common import print_child_result, run_child
 
 from qspec_ext import SpeculativeDecoder, generate_plain, load_pair
-from qspec_ext.decode import in_batches
+from qspec_ext.bench import in_batches, interleaved_rounds
 from qspec_ext.models.checkpoint import trim_heap
 from qspec_ext.prompts import CATEGORIES, heldout_prompts
 from qspec_ext.shipped import SMOLLM2_DIR, drafter_dir, target_dir
@@ -111,34 +110,27 @@ def speed(args) -> list[dict]:
                 name = f"tree k={k} topk={args.topk}" if drafting == "tree" else f"{drafting} k={k}"
                 configs[f"{name} {dtype} eager"] = (dtype, False, lambda p, d=decoder: d.generate(
                     p, args.max_new_tokens, eos_token_id=stops))
-    results = {}  # (name, batch) -> [tokens/s per round]
-    tokens = {}
-    for batch in args.batch:
-        for name, (_, compiled, run) in configs.items():
-            in_batches(run, prompts, batch, warmup=compiled)  # compiles / warms up, untimed
-        for round_ in range(args.rounds):
-            for name, (_, _, run) in configs.items():
-                result = in_batches(run, prompts, batch)
-                results.setdefault((name, batch), []).append(result.stats.tokens_per_second)
-                tokens.setdefault((name, batch), result.tokens)
-            print(f"batch {batch}: round {round_ + 1}/{args.rounds} done", file=sys.stderr)
+    last = list(configs)[-1]
     rows = []
     print(f"SmolLM2-135M-Instruct, {args.prompts} held-out chat prompts, at most {args.max_new_tokens} new tokens, "
           f"greedy, {torch.get_num_threads()} threads; medians over {args.rounds} interleaved rounds (spread)")
     for batch in args.batch:
+        timed = interleaved_rounds({name: run for name, (_, _, run) in configs.items()}, prompts, batch, args.rounds,
+                                   warmup=lambda name: configs[name][1],
+                                   on_run=lambda name, r: print(f"batch {batch}: round {r + 1}/{args.rounds} done",
+                                                                file=sys.stderr) if name == last else None)
         plain_names = [n for n in configs if n.startswith("plain")]
-        best_plain = [max(results[n, batch][r] for n in plain_names) for r in range(args.rounds)]
+        best_plain = [max(rates) for rates in zip(*(timed.rates(n) for n in plain_names))]
         print(f"batch {batch}: fastest plain per round {', '.join(f'{b:.1f}' for b in best_plain)} tok/s")
         for name, (dtype, compiled, _) in configs.items():
-            rates = results[name, batch]
-            same = results[f"plain {dtype} {'compiled' if compiled else 'eager'}", batch]
-            row = dict(config=name, batch=batch, tokens_per_second=statistics.median(rates),
-                       spread=[min(rates), max(rates)],
-                       vs_same_plain=statistics.median(a / b for a, b in zip(rates, same)),
-                       vs_fastest_plain=statistics.median(a / b for a, b in zip(rates, best_plain)),
-                       same_tokens_as_plain=tokens[name, batch] == tokens[f"plain {dtype} eager", batch])
+            same = f"plain {dtype} {'compiled' if compiled else 'eager'}"
+            low, high = timed.spread(name)
+            row = dict(config=name, batch=batch, tokens_per_second=timed.median(name), spread=[low, high],
+                       vs_same_plain=timed.speedup(name, [same]), vs_fastest_plain=timed.speedup(name, plain_names),
+                       same_tokens_as_plain=timed.results[name][0].tokens
+                       == timed.results[f"plain {dtype} eager"][0].tokens)
             rows.append(row)
-            print(f"  {name:>26} {row['tokens_per_second']:7.1f} tok/s ({rates and min(rates):.1f}-{max(rates):.1f})"
+            print(f"  {name:>26} {row['tokens_per_second']:7.1f} tok/s ({low:.1f}-{high:.1f})"
                   f"  x{row['vs_same_plain']:.2f} same dtype/mode  x{row['vs_fastest_plain']:.2f} fastest plain"
                   f"  {'same tokens' if row['same_tokens_as_plain'] else 'tokens differ from plain'} ({dtype} eager)")
     return rows

@@ -50,7 +50,7 @@ def child_qspec(job: dict) -> dict:
     import torch
 
     from qspec_ext import SpeculativeDecoder, generate_plain, load_pair
-    from qspec_ext.decode import in_batches
+    from qspec_ext.bench import in_batches
     from qspec_ext.shipped import drafter_dir
 
     torch.set_num_threads(job["cores"])

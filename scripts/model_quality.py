@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from qspec_ext import Eagle3Drafter, NativeTarget, SpeculativeDecoder
-from qspec_ext.decode import in_batches
+from qspec_ext.bench import in_batches
 from qspec_ext.demo import DEMO_DIR, demo_prompts, heldout_cross_entropy
 
 

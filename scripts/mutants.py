@@ -141,7 +141,7 @@ MUTANTS = [
            "return 1.0 + self.num_accepted_tokens / max(self.num_drafts, 1)",
            "return self.num_accepted_tokens / max(self.num_drafts, 1)",
            (DEC + "test_stats_of_a_drafter_that_copies_the_target[1]",)),
-    Mutant("in_batches_keeps_last_accepted_count", DECODE,
+    Mutant("in_batches_keeps_last_accepted_count", f"{PKG}/bench.py",
            "total.num_accepted_tokens += s.num_accepted_tokens", "total.num_accepted_tokens = s.num_accepted_tokens",
            (DEC + "test_stats_of_chunked_batches_add_up",)),
     Mutant("first_token_time_not_recorded", DECODE,

@@ -287,7 +287,7 @@ def test_stats_of_a_drafter_that_copies_the_target(hf_dir, k):
 
 def test_stats_of_chunked_batches_add_up(hf_dir):
     """in_batches (qspec bench --batch-size) sums the stats of its chunks."""
-    from qspec_ext.decode import in_batches
+    from qspec_ext.bench import in_batches
 
     target = NativeTarget.from_pretrained(hf_dir, aux_layer_ids=AUX)
     k = 3

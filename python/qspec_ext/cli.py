@@ -3,7 +3,6 @@ it against plain decoding."""
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -12,7 +11,8 @@ from functools import partial
 import torch
 
 from . import shipped
-from .decode import SpeculativeDecoder, generate_plain, in_batches
+from .bench import interleaved_rounds
+from .decode import SpeculativeDecoder, generate_plain
 from .models.checkpoint import CheckpointError, read_config, resolve_checkpoint
 from .pair import DTYPES, load_pair
 from .text import chat_ids, load_tokenizer, stop_ids
@@ -259,54 +259,49 @@ def cmd_bench(args) -> int:
         decoders += [SpeculativeDecoder(target, drafter, k, topk=args.topk, num_draft_tokens=args.num_draft_tokens,
                                         compile=args.compile) for k in args.k]
     # Compiled: each configuration is timed after an untimed run that builds its graphs. With
-    # --repeat, rounds over all configurations; each figure is the median over the rounds, a
-    # speed-up the median of each round's ratio to that round's plain run (paired: a shared
-    # machine's speed drifts between rounds).
+    # --repeat, interleaved rounds over all configurations (qspec_ext.bench).
     common = dict(max_new_tokens=args.max_new_tokens, eos_token_id=eos, **sampling_args(args))
-    configs = [partial(generate_plain, target, compile=args.compile)] + [d.generate for d in decoders]
-    runs, compile_times = [[] for _ in configs], [0.0] * len(configs)
+    configs = {"plain": partial(generate_plain, target, compile=args.compile)}
+    configs |= {i: d.generate for i, d in enumerate(decoders)}
     with tqdm(total=args.repeat * len(configs), desc="qspec bench", file=sys.stderr) as bar:
-        for round_ in range(args.repeat):
-            for i, generate in enumerate(configs):
-                run = in_batches(generate, prompts, args.batch_size, warmup=args.compile and round_ == 0, **common)
-                compile_times[i] = max(compile_times[i], run.stats.compile_time)
-                runs[i].append(run)
-                bar.update()
-    plain, median = runs[0], statistics.median
+        timed = interleaved_rounds(configs, prompts, args.batch_size, args.repeat, warmup=lambda _: args.compile,
+                                   on_run=lambda *_: bar.update(), **common)
+    plain = timed.results["plain"]
     rows = []
-    for decoder, spec, compile_time in zip(decoders, runs[1:], compile_times[1:]):
-        s, paired = spec[0].stats, list(zip(spec, plain))
+    for i, decoder in enumerate(decoders):
+        spec = timed.results[i]
+        s = spec[0].stats
         rows.append(dict(k=decoder.k, drafting=decoder.drafting.kind, topk=decoder.drafting.topk,
                          num_draft_tokens=decoder.drafting.num_draft_tokens,
                          mean_acceptance_length=s.mean_acceptance_length,
                          acceptance_per_position=s.acceptance_rate_per_position,
-                         tokens_per_second=median(r.stats.tokens_per_second for r in spec),
-                         speedup=median(r.stats.tokens_per_second / p.stats.tokens_per_second for r, p in paired),
-                         decode_tokens_per_second=median(r.stats.decode_tokens_per_second for r in spec),
-                         decode_speedup=median(r.stats.decode_tokens_per_second / p.stats.decode_tokens_per_second
-                                               for r, p in paired),
-                         compile_time=compile_time,
+                         tokens_per_second=timed.median(i), spread=timed.spread(i),
+                         speedup=timed.speedup(i, ["plain"]),
+                         decode_tokens_per_second=timed.median(i, decode=True),
+                         decode_speedup=timed.speedup(i, ["plain"], decode=True),
+                         compile_time=timed.compile_time[i],
                          identical_to_plain=all(r.tokens == plain[0].tokens for r in spec)
                          if args.temperature == 0.0 else None))
-    plain_rate = median(r.stats.tokens_per_second for r in plain)
-    plain_decode_rate = median(r.stats.decode_tokens_per_second for r in plain)
+    plain_rate, plain_decode_rate = timed.median("plain"), timed.median("plain", decode=True)
     if args.json:
         print(json.dumps({"plain_tokens_per_second": plain_rate,
                           "plain_decode_tokens_per_second": plain_decode_rate, "compile": args.compile,
                           "repeat": args.repeat, "runs": rows}, indent=1))
     else:
-        print(f"plain decoding: {plain_rate:.1f} tokens/s, decode phase {plain_decode_rate:.1f} tokens/s"
-              + (f" (compiled steps; compile time {compile_times[0]:.0f} s, untimed)" if args.compile else ""))
+        low, high = timed.spread("plain")
+        print(f"plain decoding: {plain_rate:.1f} tokens/s ({low:.1f}-{high:.1f}), decode phase {plain_decode_rate:.1f} tokens/s"
+              + (f" (compiled steps; compile time {timed.compile_time['plain']:.0f} s, untimed)" if args.compile else ""))
         print(f"medians over {args.repeat} round(s); tokens/s: all generated tokens over the whole run; decode: the "
               "tokens after each request's first, over the time after the prompt prefill; speed-up: each round's ratio "
               "to that round's plain run")
-        print(f"{'drafting':>8}  {'k':>3}  {'nodes':>5}  {'accept len':>10}  {'tokens/s':>9}  {'speed-up':>8}  "
-              f"{'decode tok/s':>12}  {'speed-up':>8}  {'same as plain':>13}  acceptance per position")
+        print(f"{'drafting':>8}  {'k':>3}  {'nodes':>5}  {'accept len':>10}  {'tokens/s':>9}  {'spread':>13}  "
+              f"{'speed-up':>8}  {'decode tok/s':>12}  {'speed-up':>8}  {'same as plain':>13}  acceptance per position")
         for r in rows:
             same = "-" if r["identical_to_plain"] is None else ("yes" if r["identical_to_plain"] else "NO")
             per = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
+            spread = f"{r['spread'][0]:.1f}-{r['spread'][1]:.1f}"
             print(f"{r['drafting']:>8}  {r['k']:>3}  {r['num_draft_tokens']:>5}  {r['mean_acceptance_length']:>10.2f}  "
-                  f"{r['tokens_per_second']:>9.1f}  {r['speedup']:>7.2f}x  {r['decode_tokens_per_second']:>12.1f}  "
+                  f"{r['tokens_per_second']:>9.1f}  {spread:>13}  {r['speedup']:>7.2f}x  {r['decode_tokens_per_second']:>12.1f}  "
                   f"{r['decode_speedup']:>7.2f}x  {same:>13}  {per}")
     if args.plot:
         plot_acceptance(rows, args.plot)

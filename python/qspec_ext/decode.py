@@ -77,34 +77,6 @@ class GenerateResult:
     stats: SpecDecodeStats
 
 
-def in_batches(generate, prompts: list[list[int]], batch_size: int, warmup: bool = False, **kwargs) -> GenerateResult:
-    """Runs generate(prompts_chunk, **kwargs) over chunks of batch_size prompts; one result
-    with the tokens in order and the stats summed (tokens/s over the total wall time).
-    ``warmup``: everything runs once untimed first (compiled steps: that builds every graph
-    the timed run uses), and stats.compile_time is how much longer that run took."""
-    if warmup:
-        first = in_batches(generate, prompts, batch_size, **kwargs)
-        result = in_batches(generate, prompts, batch_size, **kwargs)
-        result.stats.compile_time = max(first.stats.wall_time - result.stats.wall_time, 0.0)
-        return result
-    tokens: list[list[int]] = []
-    total = SpecDecodeStats()
-    for start in range(0, len(prompts), batch_size):
-        result = generate(prompts[start : start + batch_size], **kwargs)
-        tokens += result.tokens
-        s = result.stats
-        total.num_drafts += s.num_drafts
-        total.num_draft_tokens += s.num_draft_tokens
-        total.num_accepted_tokens += s.num_accepted_tokens
-        total.num_generated_tokens += s.num_generated_tokens
-        total.num_requests += s.num_requests
-        total.wall_time += s.wall_time
-        total.first_token_time += s.first_token_time
-        per = total.accepted_per_position or [0] * len(s.accepted_per_position)
-        total.accepted_per_position = [a + b for a, b in zip(per, s.accepted_per_position)]
-    return GenerateResult(tokens, total)
-
-
 class _Sampler:
     """Picks the target's own tokens outside verification (the first token, plain decoding), and
     processes the target's logits: the repetition penalty (which needs the tokens each request has

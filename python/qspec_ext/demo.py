@@ -87,10 +87,10 @@ def run_demo(pair: str = "smollm2", quick: bool = False, device: str = "cpu", ma
     configuration, again; default 3, 1 with ``quick``): the median tokens/s and the median of the
     rounds' speed-ups, so that one slow run does not decide a row. ``compile``: compiled decode
     steps, each configuration timed after an untimed run that compiles it."""
-    import statistics
     from functools import partial
 
-    from .decode import SpeculativeDecoder, generate_plain, in_batches
+    from .bench import interleaved_rounds
+    from .decode import SpeculativeDecoder, generate_plain
     from .models import Eagle3Drafter
     from .models.checkpoint import CheckpointError
     from .pair import load_pair
@@ -114,22 +114,17 @@ def run_demo(pair: str = "smollm2", quick: bool = False, device: str = "cpu", ma
     new_tokens = max_new_tokens or (24 if quick else 96 if pair == "tiny" else 160)
     ks = ks or ([1, 3] if quick else [1, 2, 3, 4, 5])
     generate_plain(target, prompts[:1], 4)  # warm-up
-    # One request at a time: the single-stream latency speculative decoding is for.
-    timed = partial(in_batches, prompts=prompts, batch_size=1, warmup=compile, max_new_tokens=new_tokens,
-                    eos_token_id=stops)
     configs = {("plain", 0): partial(generate_plain, target, compile=compile)}
     configs |= {(kind, k): SpeculativeDecoder(target, drafter, k, compile=compile).generate
                 for kind, drafter in drafters.items() for k in ks}
     rounds = rounds or (1 if quick else 3)
-    rates: dict = {name: [] for name in configs}
-    for _ in range(rounds):
-        results = {name: timed(run) for name, run in configs.items()}
-        for name, result in results.items():
-            rates[name].append(result.stats.tokens_per_second)
-    plain = results.pop(("plain", 0))
-    runs = results
-    speed = {name: statistics.median(r) for name, r in rates.items()}
-    speedup = {name: statistics.median(a / b for a, b in zip(r, rates["plain", 0])) for name, r in rates.items()}
+    # One request at a time: the single-stream latency speculative decoding is for.
+    timed = interleaved_rounds(configs, prompts, 1, rounds, warmup=lambda _: compile, max_new_tokens=new_tokens,
+                               eos_token_id=stops)
+    runs = {name: results[-1] for name, results in timed.results.items()}
+    plain = runs.pop(("plain", 0))
+    speed = {name: timed.median(name) for name in configs}
+    speedup = {name: timed.speedup(name, [("plain", 0)]) for name in configs}
     for text, ids in zip(texts, plain.tokens):
         print("=" * 72)
         if stops is None:
@@ -143,7 +138,7 @@ def run_demo(pair: str = "smollm2", quick: bool = False, device: str = "cpu", ma
     print(f"greedy speculative output identical to plain decoding: {'yes' if identical else 'NO'}")
     print(f"plain decoding: {speed['plain', 0]:.1f} tokens/s (one request at a time; medians of {rounds} "
           f"interleaved round{'s' if rounds > 1 else ''})"
-          + (f"; compiled steps (compile time {sum(r.stats.compile_time for r in [plain, *runs.values()]):.0f} s, "
+          + (f"; compiled steps (compile time {sum(timed.compile_time.values()):.0f} s, "
              f"untimed)"
              if compile else ""))
     header = "".join(f"  {kind + ': accept len':>20}  {'tokens/s':>8}  {'speed-up':>8}" for kind in drafters)
