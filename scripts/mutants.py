@@ -444,7 +444,7 @@ MUTANTS = [
            "context_rows = context_rows.index_select(0, *token_rows);",
            "context_rows = context_rows.narrow(0, 0, token_rows->size(0));",
            (DECODER_LAYER + "test_packed_tokens_match_their_rows_of_the_grid",)),
-    Mutant("packed_capture_gathered_by_grid_rows", f"{PKG}/aux.py",
+    Mutant("packed_capture_gathered_by_grid_rows", f"{PKG}/capture.py",
            "        if self._packed_row is not None:\n", "        if False:\n",
            (TARGETS + "test_a_ragged_prefill_runs_its_tokens_packed",)),
     Mutant("packed_target_embeds_the_first_rows", NATIVE,

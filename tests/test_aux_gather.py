@@ -227,7 +227,7 @@ def test_default_aux_layer_ids(layers, expected):
 
 @pytest.mark.parametrize("layers,expected", [(1, [0]), (2, [1]), (3, [0, 1, 2]), (4, [1, 2]), (5, [2])])
 def test_default_aux_layer_ids_small_models_warn(layers, expected, caplog):
-    with caplog.at_level(logging.WARNING, logger="qspec_ext.aux"):
+    with caplog.at_level(logging.WARNING, logger="qspec_ext.capture"):
         ids = qspec_ext.default_aux_layer_ids(layers)
     assert ids == expected
     assert all(0 <= i < layers for i in ids) and ids == sorted(set(ids))

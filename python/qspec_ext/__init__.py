@@ -22,7 +22,7 @@ else:
 
 if EXTENSION_PROBLEM is None:
     from . import ops, reference
-    from .aux import AuxHiddenCapture, default_aux_layer_ids
+    from .capture import AuxHiddenCapture, default_aux_layer_ids
     from .decode import GenerateResult, SpecDecodeStats, SpeculativeDecoder, generate_plain
     from .models import Eagle3Config, Eagle3Drafter
     from .pair import load_pair

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from . import reference
 from .arguments import check_bool, check_float, check_int
-from .aux import default_aux_layer_ids
+from .capture import default_aux_layer_ids
 from .models import Eagle3Config, Eagle3Drafter
 from .rope import rope_config, rope_cos_sin_cache
 from .text import load_tokenizer

@@ -5,7 +5,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from ..aux import AuxHiddenCapture
+from ..capture import AuxHiddenCapture
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 from ..arguments import check_aux_layer_ids
-from ..aux import AuxHiddenCapture, default_aux_layer_ids
+from ..capture import AuxHiddenCapture, default_aux_layer_ids
 from .base import Capabilities
 
 

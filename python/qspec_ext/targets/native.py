@@ -11,7 +11,7 @@ from torch import nn
 
 from .. import ops, reference
 from ..arguments import check_aux_layer_ids, check_load
-from ..aux import AuxHiddenCapture, default_aux_layer_ids
+from ..capture import AuxHiddenCapture, default_aux_layer_ids
 from ..rope import rope_config
 from ..shipped import cache_root
 from ..models.checkpoint import (CheckpointError, check_tensors, load_tensors, map_tensor, map_tensor_converted,
