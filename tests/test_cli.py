@@ -7,13 +7,12 @@ import sys
 
 import pytest
 import torch
+import transformers
 
-transformers = pytest.importorskip("transformers")
-
-from qspec_ext import Eagle3Drafter, NativeTarget  # noqa: E402
-from qspec_ext.cli import main as qspec_main  # noqa: E402
-from qspec_ext.demo import DEMO_DIR  # noqa: E402
-from qspec_ext.models.checkpoint import CheckpointError  # noqa: E402
+from qspec_ext import Eagle3Drafter, NativeTarget
+from qspec_ext.cli import main as qspec_main
+from qspec_ext.demo import DEMO_DIR
+from qspec_ext.models.checkpoint import CheckpointError
 
 
 @pytest.fixture(autouse=True)

@@ -3,15 +3,14 @@ unchanged, no recompilation for another prompt of the same length bucket."""
 
 import pytest
 import torch
+import transformers
 
-transformers = pytest.importorskip("transformers")
+from test_decode import PROMPTS, VOCAB, law_pvalue, make_drafter, make_hf, target_law
 
-from test_decode import PROMPTS, VOCAB, law_pvalue, make_drafter, make_hf, target_law  # noqa: E402
+from conftest import DEVICES
 
-from conftest import DEVICES  # noqa: E402
-
-from qspec_ext import HFTarget, NativeTarget, SpeculativeDecoder, generate_plain  # noqa: E402
-from qspec_ext.compiled import BUCKET  # noqa: E402
+from qspec_ext import HFTarget, NativeTarget, SpeculativeDecoder, generate_plain
+from qspec_ext.compiled import BUCKET
 
 SMALL_AUX = [1, 2, 3]  # a 3-layer target: each graph compiles in a few seconds
 

@@ -6,14 +6,13 @@ from collections import Counter
 
 import pytest
 import torch
+import transformers
 
-transformers = pytest.importorskip("transformers")
-
-import qspec_ext  # noqa: E402
-from qspec_ext import Eagle3Config, Eagle3Drafter, HFTarget, NativeTarget, SpeculativeDecoder, generate_plain  # noqa: E402
-from qspec_ext.cli import main as qspec_main  # noqa: E402
-from qspec_ext.drafting import ChainDrafting  # noqa: E402
-from qspec_ext.models.checkpoint import CheckpointError  # noqa: E402
+import qspec_ext
+from qspec_ext import Eagle3Config, Eagle3Drafter, HFTarget, NativeTarget, SpeculativeDecoder, generate_plain
+from qspec_ext.cli import main as qspec_main
+from qspec_ext.drafting import ChainDrafting
+from qspec_ext.models.checkpoint import CheckpointError
 
 VOCAB, H, LAYERS = 97, 64, 6
 AUX = [1, 3, 5]

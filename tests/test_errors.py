@@ -6,15 +6,14 @@ import sys
 
 import pytest
 import torch
+import transformers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-transformers = pytest.importorskip("transformers")
-
-import qspec_ext  # noqa: E402
-from qspec_ext import Eagle3Config, Eagle3Drafter, NativeTarget, SpeculativeDecoder, generate_plain  # noqa: E402
-from qspec_ext.cli import main as qspec_main  # noqa: E402
-from qspec_ext.train import TrainConfig, train_drafter  # noqa: E402
+import qspec_ext
+from qspec_ext import Eagle3Config, Eagle3Drafter, NativeTarget, SpeculativeDecoder, generate_plain
+from qspec_ext.cli import main as qspec_main
+from qspec_ext.train import TrainConfig, train_drafter
 
 VOCAB, H, LAYERS = 50, 32, 4
 AUX = [1, 2, 3]

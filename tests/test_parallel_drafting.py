@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import save_file
 from test_eagle3_drafter import (
     HEAD_DIM, HEADS, KV_HEADS, VOCAB, H, fake_target, inputs, make_config, naive_fc, naive_pairs, random_drafter,
@@ -148,9 +149,6 @@ def test_mask_slots_are_overwritten_by_the_next_prefill():
 
 
 # ----------------------------------------------------------------------------- decoding
-
-
-transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")

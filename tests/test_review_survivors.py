@@ -6,19 +6,18 @@ import math
 
 import pytest
 import torch
+import transformers
 
-transformers = pytest.importorskip("transformers")
+from test_decode import AUX, H, PROMPTS, VOCAB, make_drafter, make_hf
+from helpers import draft
 
-from test_decode import AUX, H, PROMPTS, VOCAB, make_drafter, make_hf  # noqa: E402
-from helpers import draft  # noqa: E402
-
-from qspec_ext import Eagle3Config, Eagle3Drafter, NativeTarget, SpeculativeDecoder, generate_plain  # noqa: E402
-from qspec_ext.cli import main as qspec_main  # noqa: E402
-from qspec_ext.drafting import tree_draft  # noqa: E402
-from qspec_ext.models.checkpoint import CheckpointError  # noqa: E402
-from qspec_ext.ops import verify_sampling  # noqa: E402
-from qspec_ext.sampling import apply_top_k_top_p  # noqa: E402
-from qspec_ext.train import cod_nodes  # noqa: E402
+from qspec_ext import Eagle3Config, Eagle3Drafter, NativeTarget, SpeculativeDecoder, generate_plain
+from qspec_ext.cli import main as qspec_main
+from qspec_ext.drafting import tree_draft
+from qspec_ext.models.checkpoint import CheckpointError
+from qspec_ext.ops import verify_sampling
+from qspec_ext.sampling import apply_top_k_top_p
+from qspec_ext.train import cod_nodes
 
 
 @pytest.fixture(autouse=True)

@@ -3,14 +3,13 @@ once into a cached HF directory and run by the native target (Llama on the custo
 
 import pytest
 import torch
+import transformers
 
-transformers = pytest.importorskip("transformers")
-
-from qspec_ext import NativeTarget, SpeculativeDecoder, generate_plain, load_target  # noqa: E402
-from qspec_ext import shipped  # noqa: E402
-from qspec_ext.cli import main as qspec_main  # noqa: E402
-from qspec_ext.models.checkpoint import CheckpointError  # noqa: E402
-from qspec_ext.text import chat_ids, load_tokenizer, stop_ids  # noqa: E402
+from qspec_ext import NativeTarget, SpeculativeDecoder, generate_plain, load_target
+from qspec_ext import shipped
+from qspec_ext.cli import main as qspec_main
+from qspec_ext.models.checkpoint import CheckpointError
+from qspec_ext.text import chat_ids, load_tokenizer, stop_ids
 
 try:
     GGUF = shipped.smollm2_gguf()

@@ -7,17 +7,16 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
-transformers = pytest.importorskip("transformers")
+from test_decode import AUX, PROMPTS, VOCAB, hf_dir, make_drafter, make_hf  # noqa: F401 (hf_dir: a fixture)
 
-from test_decode import AUX, PROMPTS, VOCAB, hf_dir, make_drafter, make_hf  # noqa: E402, F401
-
-import qspec_ext  # noqa: E402
-from qspec_ext import (HFTarget, NativeTarget, SpeculativeDecoder, Target, generate_plain, load_pair,  # noqa: E402
+import qspec_ext
+from qspec_ext import (HFTarget, NativeTarget, SpeculativeDecoder, Target, generate_plain, load_pair,
                        load_target)
-from qspec_ext.models.checkpoint import CheckpointError  # noqa: E402
-from qspec_ext.rope import rope_config, rope_parameters  # noqa: E402
-from qspec_ext.text import stop_ids  # noqa: E402
+from qspec_ext.models.checkpoint import CheckpointError
+from qspec_ext.rope import rope_config, rope_parameters
+from qspec_ext.text import stop_ids
 
 PACKAGE = Path(qspec_ext.__file__).parent  # the package as imported (installed or not)
 REPO = Path(__file__).resolve().parents[1]  # the checkout: pyproject.toml, README.md, python/

@@ -6,14 +6,13 @@ import random
 
 import pytest
 import torch
+import transformers
 
-transformers = pytest.importorskip("transformers")
-
-from qspec_ext import Eagle3Drafter, NativeTarget  # noqa: E402
-from qspec_ext.demo import DEMO_DIR, run_demo  # noqa: E402
-from qspec_ext.drafting import parallel_logits  # noqa: E402
-from qspec_ext.rope import rope_cos_sin_cache  # noqa: E402
-from qspec_ext.train import (TargetFeatures, TrainConfig, Windows, cod_nodes, draft_labels, parallel_forward, train_drafter,  # noqa: E402
+from qspec_ext import Eagle3Drafter, NativeTarget
+from qspec_ext.demo import DEMO_DIR, run_demo
+from qspec_ext.drafting import parallel_logits
+from qspec_ext.rope import rope_cos_sin_cache
+from qspec_ext.train import (TargetFeatures, TrainConfig, Windows, cod_nodes, draft_labels, parallel_forward, train_drafter,
                              ttt_loss, ttt_step)
 
 CODE = '''

@@ -3,14 +3,13 @@ its attention against an independent recomputation, lossless greedy decoding, th
 
 import pytest
 import torch
+import transformers
 
-transformers = pytest.importorskip("transformers")
+from test_decode import AUX, PROMPTS, VOCAB, law_pvalue, make_drafter, make_hf, target_law
 
-from test_decode import AUX, PROMPTS, VOCAB, law_pvalue, make_drafter, make_hf, target_law  # noqa: E402
-
-from qspec_ext import HFTarget, NativeTarget, SpeculativeDecoder, generate_plain  # noqa: E402
-from qspec_ext.drafting import tree_draft  # noqa: E402
-from qspec_ext.models.layers import tree_ancestors  # noqa: E402
+from qspec_ext import HFTarget, NativeTarget, SpeculativeDecoder, generate_plain
+from qspec_ext.drafting import tree_draft
+from qspec_ext.models.layers import tree_ancestors
 
 
 @pytest.fixture(scope="module")
