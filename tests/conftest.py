@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import qspec_ext  # noqa: F401  (registers the ops)
+from helpers import make_hf
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -41,3 +42,11 @@ def assert_cuda_script_fails_with(script: str, message: str) -> None:
 def seeded():
     """Every test starts from the same random state: results never depend on test order."""
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """The tiny Qwen3 target of helpers.make_hf, saved (transformers' format)."""
+    path = tmp_path_factory.mktemp("qwen3")
+    make_hf().save_pretrained(path)
+    return path

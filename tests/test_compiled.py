@@ -5,7 +5,7 @@ import pytest
 import torch
 import transformers
 
-from test_decode import PROMPTS, VOCAB, law_pvalue, make_drafter, make_hf, target_law
+from helpers import PROMPTS, VOCAB, law_pvalue, make_drafter, make_hf, target_law
 
 from conftest import DEVICES
 

@@ -1,64 +1,18 @@
 """Targets and the speculative decode loop: lossless greedy, sampling distribution, stats, CLI."""
 
 import json
-import random
-from collections import Counter
 
 import pytest
 import torch
 import transformers
 
 import qspec_ext
-from qspec_ext import Eagle3Config, Eagle3Drafter, HFTarget, NativeTarget, SpeculativeDecoder, generate_plain
+from qspec_ext import HFTarget, NativeTarget, SpeculativeDecoder, generate_plain
 from qspec_ext.cli import main as qspec_main
-from qspec_ext.drafting import ChainDrafting
 from qspec_ext.models.checkpoint import CheckpointError
 
-VOCAB, H, LAYERS = 97, 64, 6
-AUX = [1, 3, 5]
-
-
-def hf_config(vocab=VOCAB, tie=False, layers=LAYERS):
-    return transformers.Qwen3Config(
-        vocab_size=vocab, hidden_size=H, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=tie, rope_theta=10000.0,
-        eos_token_id=None,
-    )
-
-
-def make_hf(vocab=VOCAB, tie=False, seed=0, scale=1.0, layers=LAYERS):
-    torch.manual_seed(seed)
-    model = transformers.Qwen3ForCausalLM(hf_config(vocab, tie, layers)).eval()
-    if scale != 1.0:
-        with torch.no_grad():
-            model.lm_head.weight.mul_(scale)
-    return model
-
-
-def make_drafter(vocab=VOCAB, draft_vocab=None, seed=1, **flags):
-    config = Eagle3Config(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                          intermediate_size=96, vocab_size=vocab, draft_vocab_size=draft_vocab or vocab,
-                          num_aux=len(AUX), aux_layer_ids=AUX, rope_theta=10000.0, **flags)
-    torch.manual_seed(seed)
-    drafter = Eagle3Drafter(config).eval()
-    with torch.no_grad():
-        for p in drafter.parameters():
-            p.normal_(0, 0.2)
-        if drafter.d2t is not None:
-            targets = torch.randperm(vocab)[: config.draft_vocab_size].sort().values
-            drafter.d2t.copy_(targets - torch.arange(config.draft_vocab_size))
-            drafter.t2d[targets] = True
-    return drafter
-
-
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen3")
-    make_hf().save_pretrained(path)
-    return path
-
-
-PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22, 23, 24, 25, 26, 27, 28], [3], [40, 41, 42]]
+from helpers import (AUX, H, LAYERS, PROMPTS, VOCAB, OracleDrafter, hf_config, law_pvalue, make_drafter, make_hf,
+                     oracle_decoder, target_law)
 
 
 @pytest.mark.parametrize("tie", [False, True])
@@ -121,57 +75,6 @@ def test_rope_table_matches_transformers_init_functions():
     ours = qspec_ext.rope_cos_sin_cache(300, 64, 10000.0, torch.float64, scaling=scaling)
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)  # transformers keeps inv_freq in fp32
     assert factor > 1.1, "yarn scales cos and sin"
-
-
-class OracleDrafter:
-    """Drafts what the target will say (its plain greedy continuation), each draft replaced by a
-    wrong token with probability error_rate: mostly accepted, rejected at random positions. It
-    stands in for the drafter (the loop still prefills it and moves its requests) and drafts
-    through :class:`OracleDrafting` (:func:`oracle_decoder`)."""
-
-    def __init__(self, drafter, continuations, prompt_lengths, error_rate=0.0, seed=0):
-        self.inner, self.config, self.fc, self.device = drafter, drafter.config, drafter.fc, drafter.device
-        self.continuations, self.lengths = continuations, prompt_lengths
-        self.error_rate, self.rng = error_rate, random.Random(seed)
-        self.calls: list[list[tuple[int, list[int]]]] = []  # per draft call: (continuation index, drafts) per request
-
-    def fc_norm_mode(self):
-        return self.inner.fc_norm_mode()
-
-    def setup(self, batch, length):
-        self.inner.setup(batch, length)
-
-    def prefill(self, *args, **kwargs):
-        return self.inner.prefill(*args, **kwargs)
-
-    def keep_requests(self, rows, lengths):
-        self.inner.keep_requests(rows, lengths)
-        self.continuations = [self.continuations[i] for i in rows]
-        self.lengths = [self.lengths[i] for i in rows]
-
-    def drafts(self, state, k):
-        newest = state.next_position.tolist()  # position of the newest token
-        rows = []
-        for b, s in enumerate(newest):
-            offset = max(s + 1 - self.lengths[b], 0)  # continuation index of the first draft
-            row = (self.continuations[b] + [0] * 64)[offset : offset + k]
-            for i, token in enumerate(row):
-                if self.rng.random() < self.error_rate:
-                    row[i] = (token + 1 + self.rng.randrange(self.config.vocab_size - 1)) % self.config.vocab_size
-            rows.append(row)
-        self.calls.append([(max(s + 1 - self.lengths[b], 0), row) for b, (s, row) in enumerate(zip(newest, rows))])
-        return torch.tensor(rows)
-
-
-class OracleDrafting(ChainDrafting):
-    def draft(self, state, penalty=None):
-        return self.drafter.drafts(state, self.k)
-
-
-def oracle_decoder(target, oracle: OracleDrafter, k: int) -> SpeculativeDecoder:
-    decoder = SpeculativeDecoder(target, oracle, k)
-    decoder.drafting = OracleDrafting(oracle, k, check_bounds=False)
-    return decoder
 
 
 def expected_acceptance_length(k, error_rate):
@@ -429,56 +332,6 @@ def test_eos_and_limits(hf_dir):
         SpeculativeDecoder(NativeTarget.from_pretrained(hf_dir, aux_layer_ids=[1, 3]), make_drafter(), 3)
 
 
-def filtered_distribution(logits, temperature, top_k, top_p):
-    """The target's sampling distribution, written independently of qspec_ext.sampling: softmax of
-    logits / temperature over the top-k tokens, then the smallest most likely set reaching top_p."""
-    x = logits.double() / temperature
-    if top_k is not None:
-        x = torch.where(x >= x.sort(descending=True).values[top_k - 1], x, float("-inf"))
-    if top_p is not None:
-        probs = torch.softmax(x, -1)
-        ranked = probs.sort(descending=True).values
-        last = int((ranked.cumsum(0) >= top_p).nonzero()[0])
-        x = torch.where(probs >= ranked[last], x, float("-inf"))
-    return torch.softmax(x, -1)
-
-
-def chi_square_pvalue(observed, expected):
-    """Cells expected below 5 are pooled into one."""
-    big = expected >= 5
-    obs, exp = observed[big], expected[big]
-    if not big.all():
-        obs, exp = torch.cat([obs, observed[~big].sum().view(1)]), torch.cat([exp, expected[~big].sum().view(1)])
-    stat = ((obs - exp) ** 2 / exp).sum()
-    return float(torch.special.gammaincc(torch.tensor((len(exp) - 1) / 2.0, dtype=torch.float64), stat / 2))
-
-
-def target_law(hf, prompt, vocab, length, temperature, top_k, top_p, repetition_penalty=1.0) -> dict:
-    """The probability of every continuation of `length` tokens with positive mass under the
-    model's own filtered sampling (after the repetition penalty, if any), computed exactly."""
-    law = {(): 1.0}
-    for _ in range(length):
-        prefixes = list(law)
-        with torch.no_grad():
-            logits = hf(torch.tensor([prompt + list(c) for c in prefixes])).logits[:, -1]
-        law = {c + (t,): law[c] * float(q[t]) for c, row in zip(prefixes, logits)
-               for q in [filtered_distribution(penalized(row, prompt + list(c), repetition_penalty) if
-                                               repetition_penalty != 1.0 else row, temperature, top_k, top_p)]
-               for t in range(vocab) if q[t] > 0}
-    return law
-
-
-def law_pvalue(generated: list[list[int]], law: dict) -> float:
-    """Chi-square p-value of the generated sequences against the law (each must be in it)."""
-    sequences = [tuple(t) for t in generated]
-    assert all(s in law for s in sequences), "a token outside the filtered distribution was emitted"
-    cells = list(law)
-    counts = Counter(sequences)
-    observed = torch.tensor([float(counts[c]) for c in cells], dtype=torch.float64)
-    expected = torch.tensor([law[c] for c in cells], dtype=torch.float64) * len(sequences)
-    return chi_square_pvalue(observed, expected)
-
-
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.5, 3, None), (1.3, None, 0.8), (1.3, 4, 0.9), (1.0, None, None)])
 def test_sampling_follows_the_target_distribution(tmp_path, temperature, top_k, top_p):
     """Over many seeds, the first four generated tokens (several verify steps, bonus tokens
@@ -575,15 +428,6 @@ def test_cpu_setup_keeps_freed_activations_mapped():
 
 
 # ----------------------------------------------------------------------------- repetition penalty
-
-
-def penalized(logits, context, penalty):
-    """HF's rule, written out: each token of the context (prompt and output) has its logit divided
-    by the penalty where positive, multiplied where negative."""
-    out = logits.clone()
-    for t in set(context):
-        out[..., t] = out[..., t] / penalty if out[..., t] > 0 else out[..., t] * penalty
-    return out
 
 
 def test_repetition_penalty_is_transformers_and_speculation_keeps_it(hf_dir):

@@ -10,7 +10,7 @@ import transformers
 
 from qspec_ext import HFTarget, SpeculativeDecoder, generate_plain
 from qspec_ext.cli import main as qspec_main
-from test_decode import AUX, H, OracleDrafter, chi_square_pvalue, make_drafter, oracle_decoder
+from helpers import AUX, H, OracleDrafter, chi_square_pvalue, make_drafter, oracle_decoder
 
 VOCAB, LAYERS = 97, 5  # AUX = [1, 3, 5]: id 5 is the last layer's output before the final norm
 HYBRID_TYPES = ["linear_attention", "linear_attention", "full_attention", "linear_attention", "full_attention"]

@@ -179,7 +179,7 @@ def test_greedy_parallel_drafting_is_lossless(target_dir, k):
 def test_parallel_drafting_sampling_follows_the_target_distribution(target_dir, tmp_path):
     """The first two sampled tokens follow the target's own distribution (verification is the
     chain's, so this is lossless whatever the drafts)."""
-    from test_decode import chi_square_pvalue
+    from helpers import chi_square_pvalue
 
     from qspec_ext import NativeTarget, SpeculativeDecoder
 

@@ -8,8 +8,7 @@ import pytest
 import torch
 import transformers
 
-from test_decode import AUX, H, PROMPTS, VOCAB, make_drafter, make_hf
-from helpers import draft
+from helpers import AUX, H, PROMPTS, VOCAB, draft, make_drafter, make_hf
 
 from qspec_ext import Eagle3Config, Eagle3Drafter, NativeTarget, SpeculativeDecoder, generate_plain
 from qspec_ext.cli import main as qspec_main

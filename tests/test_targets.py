@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from test_decode import AUX, PROMPTS, VOCAB, hf_dir, make_drafter, make_hf  # noqa: F401 (hf_dir: a fixture)
+from helpers import AUX, PROMPTS, VOCAB, make_drafter, make_hf
 
 import qspec_ext
 from qspec_ext import (HFTarget, NativeTarget, SpeculativeDecoder, Target, generate_plain, load_pair,

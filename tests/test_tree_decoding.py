@@ -5,7 +5,7 @@ import pytest
 import torch
 import transformers
 
-from test_decode import AUX, PROMPTS, VOCAB, law_pvalue, make_drafter, make_hf, target_law
+from helpers import AUX, PROMPTS, VOCAB, law_pvalue, make_drafter, make_hf, target_law
 
 from qspec_ext import HFTarget, NativeTarget, SpeculativeDecoder, generate_plain
 from qspec_ext.drafting import tree_draft

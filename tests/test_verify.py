@@ -3,6 +3,7 @@
 import pytest
 import torch
 from conftest import DEVICES, assert_cuda_script_fails_with
+from helpers import counts_pvalue
 
 import qspec_ext
 from qspec_ext import reference as ref
@@ -169,18 +170,6 @@ def test_temperature_zero_rows_are_greedy(device):
 SEEDS = 20000
 
 
-def chi_square_pvalue(observed: torch.Tensor, probs: torch.Tensor) -> float:
-    """p-value of observed counts against probs (bins with expected count < 5 merged into one)."""
-    expected = probs.double() * observed.sum()
-    big = expected >= 5
-    obs = torch.cat([observed[big].double(), observed[~big].double().sum().view(1)])
-    exp = torch.cat([expected[big], expected[~big].sum().view(1)])
-    keep = exp > 0
-    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
-    df = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64), stat / 2))
-
-
 def first_tokens(vocab, k, q_kind, temperature, device, top_k=None, top_p=None, seed=0):
     """Runs one verification per seed on the same target rows; returns out_ids, p rows, drafts, q."""
     g = torch.Generator().manual_seed(seed)
@@ -232,7 +221,7 @@ def test_emitted_tokens_follow_the_target_distribution(device, q_kind, temperatu
     out, accepted, p, drafts, q = first_tokens(vocab, k, q_kind, temperature, device, **filters)
     # The first emitted token follows p at row 0 ...
     counts = torch.bincount(out[:, 0], minlength=vocab)
-    assert chi_square_pvalue(counts, p[0]) > 1e-3
+    assert counts_pvalue(counts, p[0]) > 1e-3
     # ... and the whole emitted sequence too: when the first draft was kept, the next token
     # follows row 1 (the target's distribution after that draft).
     kept = (accepted >= 1) & (drafts[:, 0] == drafts[0, 0]) if q_kind == "onehot" else accepted >= 1
@@ -240,7 +229,7 @@ def test_emitted_tokens_follow_the_target_distribution(device, q_kind, temperatu
         kept = kept & (drafts[:, 0] == out[:, 0])
     second = out[kept, 1]
     assert len(second) > SEEDS // 20, "too few kept first drafts for the test to have power"
-    assert chi_square_pvalue(torch.bincount(second, minlength=vocab), p[1]) > 1e-3
+    assert counts_pvalue(torch.bincount(second, minlength=vocab), p[1]) > 1e-3
     # Acceptance of the first draft matches sum_x min(p, q).
     rate = (accepted >= 1).double().mean().item()
     expected_rate = torch.minimum(p[0], q[0]).sum().item()
