@@ -169,10 +169,16 @@ JUNK = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6), st.floats
 def test_any_argument_gives_a_result_or_a_clear_error(pair, name, value):
     """Whatever a caller passes for one argument, generate returns or raises TypeError /
     ValueError naming the argument, never another exception from deep inside."""
+    arguments = GOOD | {name: value}
     try:
-        generators(pair)["generate"](**(GOOD | {name: value}))
+        result = generators(pair)["generate"](**arguments)
     except (TypeError, ValueError) as e:
         assert str(e).startswith("SpeculativeDecoder.generate: ") and (name in str(e) or "token id" in str(e)), str(e)
+        return
+    # Accepted: a real result, one request per prompt, within the limits.
+    assert len(result.tokens) == len(arguments["prompts"])
+    for tokens in result.tokens:
+        assert len(tokens) <= arguments["max_new_tokens"] and all(0 <= t < VOCAB for t in tokens)
 
 
 # ----------------------------------------------------------------------------- command line
