@@ -34,7 +34,7 @@ CHAIN, TREE, LAYERS = f"{PKG}/drafting/chain.py", f"{PKG}/drafting/tree.py", f"{
 SAMPLING, ARGS, OPS, ROPE, HF = (f"{PKG}/sampling.py", f"{PKG}/arguments.py", f"{PKG}/ops.py", f"{PKG}/rope.py",
                                  f"{PKG}/targets/hf.py")
 CLI, LINEAR = f"{PKG}/cli.py", f"{PKG}/models/linear.py"
-CHECKPOINT, NATIVE = f"{PKG}/models/checkpoint.py", f"{PKG}/targets/native.py"
+CHECKPOINT, NATIVE, FORMATS = f"{PKG}/models/checkpoint.py", f"{PKG}/targets/native.py", f"{PKG}/models/formats.py"
 CPP_SOURCES = ("csrc", "CMakeLists.txt", "setup.py", "pyproject.toml", "README.md")
 
 DEC, DRAFTER, TR = "tests/test_decode.py::", "tests/test_eagle3_drafter.py::", "tests/test_train.py::"
@@ -83,10 +83,10 @@ MUTANTS = [
     Mutant("philox_offset_zero_every_step", DECODE,
            "logits, seeds, position + 1)", "logits, seeds, torch.zeros_like(position))", (SAMPLED + "[1.0-None-None]",)),
     Mutant("same_seed_for_every_request", DECODE,
-           "[seed * 1_000_003 + b for b in range(batch)], device=device)",
-           "[seed * 1_000_003 for b in range(batch)], device=device)", (SAMPLED + "[1.0-None-None]",)),
+           "[self.seed * 1_000_003 + b for b in range(batch)], device=device)",
+           "[self.seed * 1_000_003 for b in range(batch)], device=device)", (SAMPLED + "[1.0-None-None]",)),
     Mutant("greedy_verify_when_sampling", DECODE,
-           "seeds = None if temperature == 0.0 else", "seeds = None if temperature >= 0.0 else",
+           "_SpeculativeSteps(self, seed if temperature > 0 else None)", "_SpeculativeSteps(self, None)",
            (SAMPLED + "[1.0-None-None]",)),
     Mutant("prefill_pairs_misaligned", DECODE,
            "pair_tokens = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)", "pair_tokens = tokens.clone()",
@@ -145,7 +145,7 @@ MUTANTS = [
            "total.num_accepted_tokens += s.num_accepted_tokens", "total.num_accepted_tokens = s.num_accepted_tokens",
            (DEC + "test_stats_of_chunked_batches_add_up",)),
     Mutant("first_token_time_not_recorded", DECODE,
-           "        stats.first_token_time = time.perf_counter() - start\n",
+           "    stats.first_token_time = time.perf_counter() - start\n",
            "", (DEC + "test_first_token_time_is_the_target_prefill_only",)),
     Mutant("prefill_last_only_takes_first_row", LAYERS,
            "last = torch.arange(batch, device=self.positions.device) * tokens + self.positions.argmax(dim=1)",
@@ -162,7 +162,7 @@ MUTANTS = [
     Mutant("chain_draft_positions_not_advanced", CHAIN,
            "hidden, position = hidden[:, 0], position + 1", "hidden, position = hidden[:, 0], position",
            (INDEPENDENT,)),
-    Mutant("missing_norm_output_defaults_true", EAGLE3,
+    Mutant("missing_norm_output_defaults_true", FORMATS,
            "**{name: bool(cfg.get(name, False)) for name in FLAGS}",
            "**{name: bool(cfg.get(name, name == 'norm_output')) for name in FLAGS}",
            (DRAFTER + "test_missing_speculators_flags_default_to_false_and_are_logged",)),
@@ -268,11 +268,11 @@ MUTANTS = [
            "torch.arange(batch, device=last.device)[:, None] * tokens.shape[1] + path[:, :width]",
            "torch.arange(batch, device=last.device)[:, None] * width + path[:, :width]",
            (REVIEW + "test_identical_requests_of_a_tree_batch_get_identical_drafts",)),
-    Mutant("saved_drafter_drops_rope_scaling", EAGLE3,
-           '"rope_parameters": rope_parameters(self.rope_theta, self.rope_scaling),',
-           '"rope_parameters": rope_parameters(self.rope_theta, None),',
+    Mutant("saved_drafter_drops_rope_scaling", FORMATS,
+           '"rope_parameters": rope_parameters(config.rope_theta, config.rope_scaling),',
+           '"rope_parameters": rope_parameters(config.rope_theta, None),',
            (REVIEW + "test_saved_drafter_drafts_as_before_with_rope_scaling",)),
-    Mutant("d2t_repeated_target_accepted", EAGLE3,
+    Mutant("d2t_repeated_target_accepted", FORMATS,
            "repeats = (targets[1:] <= targets[:-1]).nonzero()", "repeats = (targets[1:] < targets[:-1]).nonzero()",
            (REVIEW + "test_d2t_with_a_repeated_target_is_a_checkpoint_error",)),
     Mutant("top_p_ignores_top_k", SAMPLING,
@@ -461,8 +461,8 @@ MUTANTS = [
     # Finished requests leave the batch (keep_requests).
     Mutant("finished_requests_caches_not_moved", LAYERS, "            if r != i and n > 0:\n",
            "            if False:\n", (DEC + "test_finished_requests_leave_the_batch",)),
-    Mutant("finished_requests_draft_state_not_moved", DECODE, "state = state.select(index)",
-           "state = state.select(torch.arange(len(rows), device=device))",
+    Mutant("finished_requests_draft_state_not_moved", DECODE, "self.state = self.state.select(index)",
+           "self.state = self.state.select(torch.arange(len(rows), device=index.device))",
            (DEC + "test_finished_requests_leave_the_batch",)),
     Mutant("drafts_past_the_cache_allowed", EAGLE3, "if start + slots > self.max_length:",
            "if start + slots > self.max_length + 1:",

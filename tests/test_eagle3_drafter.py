@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 import qspec_ext
 from qspec_ext import Eagle3Config, Eagle3Drafter
 from qspec_ext.models.checkpoint import CheckpointError
+from qspec_ext.models.formats import from_eagle, to_speculators
 from qspec_ext.rope import rope_inv_freq
 
 from helpers import draft
@@ -345,7 +346,7 @@ def test_save_load_round_trip(tmp_path):
                                        layer_types=["sliding_attention", "full_attention"], sliding_window=16))
     model.save_pretrained(tmp_path / "out")
     loaded = Eagle3Drafter.from_pretrained(tmp_path / "out", dtype=torch.float32)
-    assert loaded.config.to_speculators() == model.config.to_speculators()
+    assert to_speculators(loaded.config) == to_speculators(model.config)
     assert torch.equal(logits_of(loaded), logits_of(model))
     for key, value in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], value), key
@@ -390,7 +391,7 @@ def test_missing_speculators_flags_default_to_false_and_are_logged(tmp_path, cap
     for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
         cfg.pop(flag)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with caplog.at_level(logging.INFO, logger="qspec_ext.models.eagle3"):
+    with caplog.at_level(logging.INFO, logger="qspec_ext.models.formats"):
         loaded = Eagle3Drafter.from_pretrained(tmp_path)
     c = loaded.config
     assert (c.norm_before_residual, c.norm_before_fc, c.fc_norm, c.norm_output) == (False, False, False, False)
@@ -431,8 +432,8 @@ def test_rope_spellings_and_scaling_match_transformers():
         torch.testing.assert_close(ours.float(), expected.float(), rtol=1e-5, atol=1e-9)
         assert our_factor == pytest.approx(factor)
     layer = {"hidden_size": H, "num_attention_heads": HEADS, "intermediate_size": FFN}
-    new = Eagle3Config.from_eagle(layer | {"vocab_size": VOCAB, "rope_parameters": {"rope_theta": 5e5, **cases[1]}})
-    old = Eagle3Config.from_eagle(layer | {"vocab_size": VOCAB, "rope_theta": 5e5, "rope_scaling": cases[1]})
+    new = from_eagle(layer | {"vocab_size": VOCAB, "rope_parameters": {"rope_theta": 5e5, **cases[1]}})
+    old = from_eagle(layer | {"vocab_size": VOCAB, "rope_theta": 5e5, "rope_scaling": cases[1]})
     assert new.rope_theta == old.rope_theta == 5e5 and new.rope_scaling == old.rope_scaling == cases[1]
 
 

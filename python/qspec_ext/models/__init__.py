@@ -1,5 +1,7 @@
-"""The EAGLE-3 drafter network and the building blocks it shares with the native target."""
+"""The EAGLE-3 drafter network (eagle3.py), its config (config.py) and checkpoint formats
+(formats.py), and the building blocks it shares with the native target (layers.py, linear.py)."""
 
-from .eagle3 import Eagle3Config, Eagle3Drafter
+from .config import Eagle3Config
+from .eagle3 import DraftState, Eagle3Drafter
 
-__all__ = ["Eagle3Config", "Eagle3Drafter"]
+__all__ = ["DraftState", "Eagle3Config", "Eagle3Drafter"]

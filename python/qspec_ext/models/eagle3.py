@@ -14,218 +14,20 @@ a rollback is just the next write at an earlier position (attention is masked by
 """
 
 import dataclasses
-import logging
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import ops, reference
 from ..arguments import check_load
-from ..rope import rope_config, rope_parameters
 from .checkpoint import CheckpointError, check_tensors, load_tensors, read_config, resolve_checkpoint, save_tensors
+from .config import Eagle3Config
+from .formats import check_vocab_mapping, eagle_tensor_names, from_eagle, from_speculators, to_speculators
 from .layers import (MLP, Attention, CachedPositions, RMSNormWeight, TreeAttention, keep_requests, static_caches,
                      static_cos_sin)
 from .linear import Linear, pack_linears
 
-logger = logging.getLogger(__name__)
-
-FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
-
-
-@dataclass
-class Eagle3Config:
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int  # the target's
-    draft_vocab_size: int
-    num_hidden_layers: int = 1
-    arch: str = "qwen3"  # "qwen3" (q_norm / k_norm per head) or "llama"
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
-    rope_scaling: dict | None = None
-    max_position_embeddings: int = 40960
-    num_aux: int = 3  # aux layers feeding fc (fc input num_aux * hidden_size)
-    aux_layer_ids: list[int] | None = None  # None: the target's defaults
-    norm_before_residual: bool = False
-    norm_before_fc: bool = False
-    fc_norm: bool = False
-    norm_output: bool = False
-    layer_types: list[str] | None = None  # "full_attention" | "sliding_attention" per layer
-    sliding_window: int | None = None
-    speculative_tokens: int = 3
-    # P-EAGLE: all k drafts in one forward; slots after the first hold mask_token_id and the
-    # learned fc input mask_hidden.
-    parallel_drafting: bool = False
-    mask_token_id: int | None = None
-    extra: dict = field(default_factory=dict, repr=False)  # speculators fields kept for save_pretrained
-
-    def __post_init__(self):
-        if self.arch not in ("qwen3", "llama"):
-            raise ValueError(f"Eagle3Config: arch must be 'qwen3' or 'llama', got {self.arch!r}")
-        if self.norm_before_fc and self.fc_norm:
-            raise ValueError("Eagle3Config: norm_before_fc and fc_norm are mutually exclusive (one norm before fc)")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"Eagle3Config: num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
-        if not 1 <= self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(
-                f"Eagle3Config: draft_vocab_size must be in [1, vocab_size={self.vocab_size}], got {self.draft_vocab_size}"
-            )
-        if self.num_hidden_layers < 1 or not 1 <= self.num_aux <= 8:
-            raise ValueError("Eagle3Config: need at least 1 decoder layer and 1 to 8 aux layers")
-        if self.aux_layer_ids is not None and len(self.aux_layer_ids) != self.num_aux:
-            raise ValueError(
-                f"Eagle3Config: {len(self.aux_layer_ids)} aux_layer_ids for num_aux={self.num_aux}"
-            )
-        if self.parallel_drafting and not (
-                isinstance(self.mask_token_id, int) and 0 <= self.mask_token_id < self.vocab_size):
-            raise ValueError(
-                f"Eagle3Config: parallel drafting needs a mask_token_id in [0, vocab_size={self.vocab_size}), "
-                f"got {self.mask_token_id!r}")
-        if self.layer_types is not None:
-            if len(self.layer_types) != self.num_hidden_layers:
-                raise ValueError("Eagle3Config: layer_types must have one entry per decoder layer")
-            if "sliding_attention" in self.layer_types and not self.sliding_window:
-                raise ValueError("Eagle3Config: sliding_attention layers need sliding_window")
-
-    def window(self, layer: int) -> int | None:
-        if self.layer_types is not None and self.layer_types[layer] == "sliding_attention":
-            return self.sliding_window
-        return None
-
-    # ---- speculators format ----
-    @classmethod
-    def from_speculators(cls, cfg: dict, source: str = "config.json") -> "Eagle3Config":
-        layer = cfg.get("transformer_layer_config")
-        if not isinstance(layer, dict):
-            raise CheckpointError(f"{source}: speculators config without a 'transformer_layer_config'")
-        arch = layer.get("model_type")
-        if arch not in ("qwen3", "llama"):
-            raise CheckpointError(
-                f"{source}: unknown draft architecture transformer_layer_config.model_type={arch!r} "
-                "(supported: qwen3, llama)"
-            )
-        assumed = [name for name in FLAGS if name not in cfg]
-        if assumed:
-            logger.info("%s: flags %s missing, assumed False (the speculators class defaults)", source, assumed)
-        aux = cfg.get("eagle_aux_hidden_state_layer_ids")
-        proposals = (cfg.get("speculators_config") or {}).get("proposal_methods") or [{}]
-        return cls(
-            **_layer_fields(layer, source),
-            **_parallel_fields(cfg, source, cfg.get("speculators_model_type") == "peagle"),
-            arch=arch,
-            vocab_size=int(layer["vocab_size"]),
-            draft_vocab_size=int(cfg.get("draft_vocab_size", layer["vocab_size"])),
-            num_aux=len(aux) if aux else 3,
-            aux_layer_ids=list(aux) if aux else None,
-            speculative_tokens=int(proposals[0].get("speculative_tokens", 3)),
-            extra={k: v for k, v in cfg.items() if k in ("speculators_config", "speculators_version")},
-            **{name: bool(cfg.get(name, False)) for name in FLAGS},
-        )
-
-    def to_speculators(self) -> dict:
-        """The speculators config. ``transformer_layer_config`` is complete: vLLM builds the layer
-        config from these keys alone (no model defaults), so every field it reads is written, and
-        every flag (their defaults differ between vLLM and speculators)."""
-        layer = {
-            "model_type": self.arch,
-            "architectures": ["Qwen3ForCausalLM" if self.arch == "qwen3" else "LlamaForCausalLM"],
-            "hidden_size": self.hidden_size,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "vocab_size": self.vocab_size,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            "max_position_embeddings": self.max_position_embeddings,
-            "attention_bias": False,
-            "mlp_bias": False,
-            "tie_word_embeddings": False,
-            "rope_parameters": rope_parameters(self.rope_theta, self.rope_scaling),
-        }
-        if self.layer_types is not None:
-            layer["layer_types"] = self.layer_types
-            layer["sliding_window"] = self.sliding_window
-        speculators = self.extra.get("speculators_config") or {
-            "algorithm": "peagle" if self.parallel_drafting else "eagle3",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": self.speculative_tokens}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": None, "architectures": []},
-        }
-        parallel = {"mask_token_id": self.mask_token_id} if self.parallel_drafting else {}
-        return {
-            "speculators_model_type": "peagle" if self.parallel_drafting else "eagle3",
-            "architectures": ["PEagleDraftModel" if self.parallel_drafting else "Eagle3DraftModel"],
-            **parallel,
-            "draft_vocab_size": self.draft_vocab_size,
-            "eagle_aux_hidden_state_layer_ids": self.aux_layer_ids,
-            "transformer_layer_config": layer,
-            "speculators_config": speculators,
-            **{name: getattr(self, name) for name in FLAGS},
-        }
-
-    # ---- EAGLE reference format (a Llama config plus draft_vocab_size) ----
-    @classmethod
-    def from_eagle(cls, cfg: dict, source: str = "config.json") -> "Eagle3Config":
-        archs = cfg.get("architectures") or []
-        if cfg.get("model_type", "llama") != "llama" and "LlamaForCausalLM" not in archs:
-            raise CheckpointError(f"{source}: EAGLE reference checkpoints are Llama drafters, got {archs or cfg.get('model_type')}")
-        fields = _layer_fields(cfg, source)
-        fields["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
-        return cls(
-            **fields,
-            **_parallel_fields(cfg, source, False),
-            arch="llama",
-            vocab_size=int(cfg["vocab_size"]),
-            draft_vocab_size=int(cfg.get("draft_vocab_size", cfg["vocab_size"])),
-            norm_before_residual=False,
-        )
-
-
-MASK_TOKEN_KEYS = ("mask_token_id", "pard_token", "ptd_token_id")  # vLLM's native spellings, in its order
-
-
-def _parallel_fields(cfg: dict, source: str, peagle: bool) -> dict:
-    """P-EAGLE: speculators "peagle" configs, or native configs with parallel_drafting: true."""
-    if not (peagle or cfg.get("parallel_drafting")):
-        return {}
-    keys = ("mask_token_id",) if peagle else MASK_TOKEN_KEYS
-    mask = next((cfg[key] for key in keys if cfg.get(key) is not None), None)
-    if not isinstance(mask, int) or isinstance(mask, bool):
-        raise CheckpointError(f"{source}: a parallel-drafting (P-EAGLE) config needs a mask token id under "
-                              f"{' | '.join(keys)}, got {mask!r}")
-    return dict(parallel_drafting=True, mask_token_id=mask)
-
-
-def _layer_fields(layer: dict, source: str) -> dict:
-    try:
-        theta, scaling = rope_config(layer, default_theta=10000.0)
-        return dict(
-            hidden_size=int(layer["hidden_size"]),
-            num_attention_heads=int(layer["num_attention_heads"]),
-            num_key_value_heads=int(layer.get("num_key_value_heads", layer["num_attention_heads"])),
-            head_dim=int(layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"]),
-            intermediate_size=int(layer["intermediate_size"]),
-            num_hidden_layers=int(layer.get("num_hidden_layers", 1)),
-            rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
-            rope_scaling=scaling,
-            max_position_embeddings=int(layer.get("max_position_embeddings", 40960)),
-            layer_types=layer.get("layer_types"),
-            sliding_window=layer.get("sliding_window"),
-        )
-    except KeyError as e:
-        raise CheckpointError(f"{source}: the layer config lacks {e.args[0]!r}") from e
 
 
 class DecoderLayer(nn.Module):
@@ -253,27 +55,6 @@ class DraftState:
     def select(self, rows: torch.Tensor) -> "DraftState":
         """The state of requests ``rows`` (the batch after finished requests leave)."""
         return DraftState(self.logits[rows], self.hidden[rows], self.next_position[rows])
-
-
-def check_vocab_mapping(file: Path, d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int) -> None:
-    """d2t must map the draft vocabulary to strictly increasing target ids in range (a sorted
-    draft vocabulary, as EAGLE-3 and speculators build it), and t2d must mark exactly those."""
-    targets = torch.arange(d2t.shape[0]) + d2t.long()
-    bad = ((targets < 0) | (targets >= vocab_size)).nonzero()
-    if len(bad):
-        d = int(bad[0])
-        raise CheckpointError(f"{file}: d2t maps draft id {d} to {int(targets[d])}, outside the target vocabulary [0, {vocab_size})")
-    repeats = (targets[1:] <= targets[:-1]).nonzero()
-    if len(repeats):
-        d = int(repeats[0]) + 1
-        raise CheckpointError(
-            f"{file}: d2t must map draft ids to strictly increasing target ids (a sorted draft vocabulary), "
-            f"got draft id {d - 1} -> {int(targets[d - 1])} and {d} -> {int(targets[d])}")
-    marked = torch.zeros(vocab_size, dtype=torch.bool)
-    marked[targets] = True
-    if not torch.equal(marked, t2d.bool()):
-        raise CheckpointError(f"{file}: t2d does not mark exactly the target ids that d2t maps to "
-                              f"({int(t2d.sum())} marked, {len(targets)} mapped)")
 
 
 class Eagle3Drafter(nn.Module):
@@ -451,11 +232,10 @@ class Eagle3Drafter(nn.Module):
         if not eagle_format and raw.get("speculators_model_type") not in ("eagle3", "peagle"):
             raise CheckpointError(
                 f"{source}: speculators_model_type {raw.get('speculators_model_type')!r} is not eagle3 or peagle")
-        config = Eagle3Config.from_eagle(raw, source) if eagle_format else Eagle3Config.from_speculators(raw, source)
+        config = from_eagle(raw, source) if eagle_format else from_speculators(raw, source)
         tensors, origin = load_tensors(directory)
         if eagle_format:
-            tensors = {k.replace("midlayer.", "layers.0.", 1) if k.startswith("midlayer.") else k: v for k, v in tensors.items()}
-            origin = {k.replace("midlayer.", "layers.0.", 1) if k.startswith("midlayer.") else k: v for k, v in origin.items()}
+            tensors, origin = eagle_tensor_names(tensors), eagle_tensor_names(origin)
         fc = tensors.get("fc.weight")
         if fc is not None and fc.dim() == 2 and fc.shape[1] % config.hidden_size == 0:
             config = dataclasses.replace(config, num_aux=fc.shape[1] // config.hidden_size,
@@ -493,4 +273,4 @@ class Eagle3Drafter(nn.Module):
         tensors = self.state_dict()
         if getattr(self, "embeddings_borrowed", False):
             tensors.pop("embed_tokens.weight")
-        save_tensors(path, tensors, self.config.to_speculators())
+        save_tensors(path, tensors, to_speculators(self.config))
