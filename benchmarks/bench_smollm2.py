@@ -4,7 +4,7 @@
     python benchmarks/bench_smollm2.py acceptance [-k 1 3 5 7] [--per-category 21] [--max-new-tokens 128]
         [--greedy-only] [--drafters DIR ...] [--dtypes bf16]   # the first of --dtypes (default fp32)
     python benchmarks/bench_smollm2.py speed [--batch 1 4] [--prompts 8] [--rounds 3] [-k 3 5]
-        [--drafting chain parallel tree --topk 2]
+        [--drafting chain parallel tree --topk 2] [--dtypes fp32 bf16]
     python benchmarks/bench_smollm2.py memory [--dtypes fp32 bf16] [--batch 1 4] [--prompts 8] [-k 3]
     (all: [--drafting chain parallel] [--json PATH])
 
@@ -12,8 +12,8 @@ acceptance: mean acceptance length (tokens per target forward) and acceptance pe
 by category and k, greedy and sampled at the seed card's settings (temperature 0.6, top-p 0.95,
 top-k 20), each category's prompts decoded together (acceptance does not depend on batching).
 
-speed: tokens/s of plain decoding (fp32 and bf16, eager and compiled) and speculative decoding
-(fp32 and bf16 eager, each k), greedy, chat prompts through the template, stopping at the end of the turn,
+speed: tokens/s of plain decoding (each of --dtypes, eager and compiled) and speculative decoding
+(each of --dtypes, eager, each k), greedy, chat prompts through the template, stopping at the end of the turn,
 one process, the configurations interleaved round by round (A B C ... A B C ...): medians with the
 spread; each speed-up is the median of its rounds' ratios, against plain decoding in the same dtype
 and mode and against the fastest plain configuration of that round.
@@ -96,7 +96,7 @@ def speed(args) -> list[dict]:
     stops = stop_ids(target_dir("smollm2"))
     prompts = requests("chat", args.prompts)
     configs = {}  # name -> (dtype, mode, callable(prompts) -> GenerateResult)
-    for dtype in ("fp32", "bf16"):
+    for dtype in args.dtypes:
         target, chain = load_pair("smollm2", drafter_dir("smollm2"), dtype=dtype)
         for compiled in (False, True):
             name = f"plain {dtype} {'compiled' if compiled else 'eager'}"
