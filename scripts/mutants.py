@@ -6,9 +6,9 @@ and check that the tests meant to catch each bug fail.
     python scripts/mutants.py --list
     python scripts/mutants.py --cpp           # also the C++ mutants (a CPU-only rebuild each)
 
-Each mutant replaces an exact snippet (found exactly once, else the script stops before any
-work: keep the list in sync with the code) in a fresh copy of python/qspec_ext (with its built
-_C*.so) and runs `pytest -x` on its selection with PYTHONPATH at the copy. A first, unmutated
+Each mutant replaces an exact snippet (found exactly once in its file or, for Python code that
+moved, in one package file; else the script stops before any work: keep the list in sync with the
+code) in a fresh copy of python/qspec_ext (with its built _C*.so) and runs `pytest -x` on its selection with PYTHONPATH at the copy. A first, unmutated
 run (the built _C*.so as is) checks that the selections pass and that the copy is what the
 tests import. A mutant that survives
 its selection is run again on the whole test files of the selection before it counts as a
@@ -522,10 +522,25 @@ class Stale(Exception):
     """A mutant's old snippet is not in its file exactly once: the list is out of sync with the code."""
 
 
+def locate(m: Mutant, root: Path = REPO) -> Path:
+    """The file the mutant changes: its own file where the snippet occurs there exactly once, else
+    (Python) the one package file that holds it, once: code moved between modules keeps its mutants."""
+    path = root / m.file
+    if m.cpp or (path.is_file() and path.read_text().count(m.old) == 1):
+        return path
+    counts = {path: path.read_text().count(m.old) for path in sorted((root / PKG).rglob("*.py"))}
+    holders = [path for path, count in counts.items() if count]
+    if len(holders) == 1 and counts[holders[0]] == 1:
+        return holders[0]
+    where = ", ".join(f"{path.relative_to(root)} ({counts[path]})" for path in holders) or "no package file"
+    raise Stale(f"{m.name}: the old snippet must occur exactly once in {m.file} or in one package file; "
+                f"found in {where}:\n{m.old}")
+
+
 def mutate(text: str, m: Mutant) -> str:
     count = text.count(m.old)
     if count != 1:
-        raise Stale(f"{m.name}: the old snippet occurs {count} times in {m.file} (must be exactly once):\n{m.old}")
+        raise Stale(f"{m.name}: the old snippet occurs {count} times (must be exactly once):\n{m.old}")
     return text.replace(m.old, m.new)
 
 
@@ -539,7 +554,7 @@ def make_copy(root: Path, mutant: Mutant | None, build: bool) -> None:
             (shutil.copytree if (REPO / name).is_dir() else shutil.copy)(REPO / name, root / name)
     (root / "mutants_probe.py").write_text(PROBE)
     if mutant is not None:
-        path = root / mutant.file
+        path = locate(mutant, root)
         path.write_text(mutate(path.read_text(), mutant))
     if build:
         proc = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=root,
@@ -611,7 +626,7 @@ def main() -> int:
     chosen = [m for m in MUTANTS if (m.name in args.only if args.only else args.cpp or not m.cpp)]
     try:  # fail before any work if the list is out of sync with the code
         for m in chosen:
-            mutate((REPO / m.file).read_text(), m)
+            mutate(locate(m).read_text(), m)
     except Stale as e:
         sys.exit(f"mutants: {e}")
     if args.list:
