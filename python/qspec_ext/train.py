@@ -31,6 +31,7 @@ from . import reference
 from .arguments import check_bool, check_float, check_int
 from .capture import default_aux_layer_ids
 from .models import Eagle3Config, Eagle3Drafter
+from .models.layers import rms
 from .rope import rope_config, rope_cos_sin_cache
 from .text import load_tokenizer
 
@@ -408,52 +409,6 @@ def regenerated_batches(target, windows: Windows, draft_ids, batch_size: int, po
                 yield store.batch(starts, length, target.device)
 
 
-def _rms(x, w, eps):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
-def _rope(x, cos, sin):  # x [B, L, heads, D], cos/sin [L, D/2] or [B, L, D/2]: rotate-half
-    half = x.shape[-1] // 2
-    a, b = x[..., :half], x[..., half:]
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
-
-
-def _layer_input(model: Eagle3Drafter, index: int, x, embeds, h):
-    """(residual, attention input) of decoder layer `index`: layer 0 reads cat(embedding, x)."""
-    c, layer = model.config, model.layers[index]
-    if index == 0:
-        x_hat = _rms(x, layer.hidden_norm.weight, c.rms_norm_eps)
-        residual = x_hat if c.norm_before_residual else x
-        return residual, torch.cat([_rms(embeds, layer.input_layernorm.weight, c.rms_norm_eps), x_hat], dim=-1)
-    return h, _rms(h, layer.input_layernorm.weight, c.rms_norm_eps)
-
-
-def _qkv(model: Eagle3Drafter, index: int, u, cos, sin):
-    """q, k, v [B, L, heads, D] of layer `index` (k, v repeated to the query heads), RoPE applied."""
-    c, attn = model.config, model.layers[index].self_attn
-    B, L, _ = u.shape
-    D, group = c.head_dim, c.num_attention_heads // c.num_key_value_heads
-    q, k, v = attn.qkv(u).view(B, L, -1, D).split([c.num_attention_heads, c.num_key_value_heads, c.num_key_value_heads], 2)
-    if c.arch == "qwen3":
-        q, k = _rms(q, attn.q_norm.weight, c.rms_norm_eps), _rms(k, attn.k_norm.weight, c.rms_norm_eps)
-    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-    return q, k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-
-
-def _layer_output(model: Eagle3Drafter, index: int, residual, attended):
-    layer = model.layers[index]
-    B, L = attended.shape[:2]
-    h = residual + layer.self_attn.o_proj(attended.reshape(B, L, -1))
-    return h + layer.mlp(_rms(h, layer.post_attention_layernorm.weight, model.config.rms_norm_eps))
-
-
-def _head(model: Eagle3Drafter, h):
-    """Draft logits and x_next of the last layer's output h."""
-    z = _rms(h, model.norm.weight, model.config.rms_norm_eps)
-    return model.lm_head(z), (z if model.config.norm_output else h)
-
-
 def ttt_step(model: Eagle3Drafter, x, tokens, positions, cos_sin, past, segment=None):
     """One differentiable draft step over all pair indices.
 
@@ -463,7 +418,7 @@ def ttt_step(model: Eagle3Drafter, x, tokens, positions, cos_sin, past, segment=
     and every later step's key at index t.
     Returns logits [B, L, Vd], x_next [B, L, H] and this step's (k, v) per layer."""
     h, new_kv = _ttt_layers(model, x, tokens, positions, cos_sin, past, segment)
-    logits, x_next = _head(model, h)
+    logits, x_next = model.head(h)
     return logits, x_next, new_kv
 
 
@@ -477,9 +432,9 @@ def _ttt_layers(model: Eagle3Drafter, x, tokens, positions, cos_sin, past, segme
     if segment is not None:
         visible = (visible & (segment[:, :, None] == segment[:, None, :]))[:, None]  # [B, 1, L, L]
     new_kv, h = [], None
-    for li in range(len(model.layers)):
-        residual, u = _layer_input(model, li, x, embeds, h)
-        q, k, v = _qkv(model, li, u, cos, sin)
+    for li, layer in enumerate(model.layers):
+        residual, u = layer.attention_input(x, embeds, h)
+        q, k, v = layer.self_attn.qkv_rope(u, cos, sin, model.config.rms_norm_eps)
         new_kv.append((k, v))
         steps = past[li] + [(k, v)]
         k1, v1 = steps[0]
@@ -490,7 +445,7 @@ def _ttt_layers(model: Eagle3Drafter, x, tokens, positions, cos_sin, past, segme
         out = torch.einsum("bhqk,bkhd->bqhd", weights[..., :L].to(v1.dtype), v1)
         for i, (_, vs) in enumerate(steps[1:]):
             out = out + weights[..., L + i].transpose(1, 2)[..., None].to(vs.dtype) * vs
-        h = _layer_output(model, li, residual, out)
+        h = layer.output(residual, out)
     return h, new_kv
 
 
@@ -501,13 +456,13 @@ def masked_forward(model: Eagle3Drafter, x, tokens, positions, cos_sin, allowed)
     cos, sin = cos_sin[positions, : D // 2], cos_sin[positions, D // 2 :]
     embeds = model.embed_tokens(tokens)
     h = None
-    for li in range(len(model.layers)):
-        residual, u = _layer_input(model, li, x, embeds, h)
-        q, k, v = _qkv(model, li, u, cos, sin)
+    for layer in model.layers:
+        residual, u = layer.attention_input(x, embeds, h)
+        q, k, v = layer.self_attn.qkv_rope(u, cos, sin, model.config.rms_norm_eps)
         scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(D)
         weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
-        h = _layer_output(model, li, residual, torch.einsum("bhqk,bkhd->bqhd", weights, v))
-    return _head(model, h)[0]
+        h = layer.output(residual, torch.einsum("bhqk,bkhd->bqhd", weights, v))
+    return model.head(h)[0]
 
 
 def fc_input(model: Eagle3Drafter, features):
@@ -561,7 +516,7 @@ def ttt_loss(model: Eagle3Drafter, target_ids, features, labels, ttt_steps, cos_
         h, kv = _ttt_layers(model, x, target_ids[:, source], base + step, cos_sin, past, seg)
         for layer_past, layer_kv in zip(past, kv):
             layer_past.append(layer_kv)
-        z = _rms(h, model.norm.weight, model.config.rms_norm_eps)
+        z = rms(h, model.norm.weight, model.config.rms_norm_eps)
         step_labels = tuple(t[:, source[:count]] for t in labels)
         w = torch.ones(B, count, device=h.device) if weight is None else weight[:, source[:count]]
         if segment is not None:  # the chain of pairs t .. t + step + 1 inside one record

@@ -24,8 +24,8 @@ from ..arguments import check_load
 from .checkpoint import CheckpointError, check_tensors, load_tensors, read_config, resolve_checkpoint, save_tensors
 from .config import Eagle3Config
 from .formats import check_vocab_mapping, eagle_tensor_names, from_eagle, from_speculators, to_speculators
-from .layers import (MLP, Attention, CachedPositions, RMSNormWeight, TreeAttention, keep_requests, static_caches,
-                     static_cos_sin)
+from .layers import (MLP, Attention, CachedPositions, RMSNormWeight, TreeAttention, keep_requests, rms,
+                     static_caches, static_cos_sin)
 from .linear import Linear, pack_linears
 
 
@@ -40,6 +40,26 @@ class DecoderLayer(nn.Module):
                                    c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.arch == "qwen3")
         self.post_attention_layernorm = RMSNormWeight(c.hidden_size)
         self.mlp = MLP(c.hidden_size, c.intermediate_size)
+        self.eps, self.norm_before_residual = c.rms_norm_eps, c.norm_before_residual
+
+    # The differentiable path over whole sequences (training); inference runs the cached path of
+    # Eagle3Drafter.forward on the ops, the same math.
+    def attention_input(self, x: torch.Tensor, embeds: torch.Tensor,
+                        h: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual, attention input): the first layer reads cat(RMSNorm(embeds), RMSNorm(x)),
+        later ones RMSNorm(h) of the layer before."""
+        hidden_norm = self._modules.get("hidden_norm")
+        if hidden_norm is not None:
+            x_hat = rms(x, hidden_norm.weight, self.eps)
+            residual = x_hat if self.norm_before_residual else x
+            return residual, torch.cat([rms(embeds, self.input_layernorm.weight, self.eps), x_hat], dim=-1)
+        return h, rms(h, self.input_layernorm.weight, self.eps)
+
+    def output(self, residual: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """h = residual + o_proj(attended [B, L, heads, D]), then h + MLP(RMSNorm(h))."""
+        B, L = attended.shape[:2]
+        h = residual + self.self_attn.o_proj(attended.reshape(B, L, -1))
+        return h + self.mlp(rms(h, self.post_attention_layernorm.weight, self.eps))
 
 
 @dataclass
@@ -185,6 +205,11 @@ class Eagle3Drafter(nn.Module):
         if last_only:
             return logits, x_next
         return logits.view(B, T, -1), x_next.view(B, T, -1)
+
+    def head(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The differentiable path's draft logits and x_next of the last layer's output h."""
+        z = rms(h, self.norm.weight, self.config.rms_norm_eps)
+        return self.lm_head(z), (z if self.config.norm_output else h)
 
     # ------------------------------------------------------------------ prefill
     @torch.no_grad()

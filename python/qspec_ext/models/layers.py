@@ -103,6 +103,19 @@ def join_checkpoint_parts(model: nn.Module, state_dict: dict) -> None:
             join(module, state_dict, name + "." if name else "")
 
 
+def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as the differentiable (training) path computes it, in x's dtype."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox RoPE of ``x [B, L, heads, D]`` with ``cos`` / ``sin`` ``[L, D/2]`` or ``[B, L, D/2]``."""
+    half = x.shape[-1] // 2
+    a, b = x[..., :half], x[..., half:]
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+
 class Attention(nn.Module):
     def __init__(self, hidden: int, input_width: int, heads: int, kv_heads: int, head_dim: int, qk_norm: bool):
         super().__init__()
@@ -118,6 +131,20 @@ class Attention(nn.Module):
     def qkv(self, x: torch.Tensor) -> torch.Tensor:
         """The packed [T, (Hq + 2 Hkv) * D] projection qk_norm_rope_ works on."""
         return self.qkv_proj(x)
+
+    def qkv_rope(self, u: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The differentiable path (training): q, k, v ``[B, L, heads, D]`` of ``u [B, L, in]``,
+        q / k normalized per head (Qwen3) and rotated; k and v repeated to the query heads."""
+        B, L, _ = u.shape
+        D = self.head_dim
+        q, k, v = self.qkv(u).view(B, L, -1, D).split([self.heads, self.kv_heads, self.kv_heads], 2)
+        q_norm, k_norm = self.qk_norm_weights()
+        if q_norm is not None:
+            q, k = rms(q, q_norm, eps), rms(k, k_norm, eps)
+        q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
+        group = self.heads // self.kv_heads
+        return q, k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
 
     def qk_norm_weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         q_norm = self._modules.get("q_norm")  # not hasattr: a missing module raises inside nn.Module, slowly
