@@ -46,7 +46,7 @@ SHIPPED = TR + "test_shipped_pair_accepts_drafts"
 INDEPENDENT = DRAFTER + "test_reference_path_equals_independent_implementation"
 TREES = "tests/test_tree_decoding.py::"
 TREE_LOSSLESS = TREES + "test_greedy_tree_decoding_is_lossless[4-5-4-24]"
-TARGETS, REVIEW = "tests/test_targets.py::", "tests/test_review_survivors.py::"
+TARGETS, CLI_TESTS = "tests/test_targets.py::", "tests/test_cli.py::"
 STOP_IN_RUN = TARGETS + "test_a_stop_id_inside_an_accepted_run_ends_the_request_there"
 ROPE_SPELLINGS = TARGETS + "test_rope_config_reads_both_spellings_and_keeps_every_field"
 MAPPED_EMBEDDING = TARGETS + "test_a_tied_embedding_stays_in_the_file_and_only_its_used_rows_are_read"
@@ -256,40 +256,40 @@ MUTANTS = [
     Mutant("top_p_zero_accepted", ARGS,
            '"top_p", top_p, 0.0, 1.0, low_open=True)', '"top_p", top_p, 0.0, 1.0, low_open=False)',
            ("tests/test_errors.py::test_bad_generate_arguments", "-k", "top_p")),
-    # Survivors of an independent review, each killed by tests/test_review_survivors.py.
+    # Survivors of an independent review, each killed by a test written for it.
     Mutant("tree_cache_margin_without_depth", TREE,
            "self.cache_margin = depth + max(num_draft_tokens + 1, (depth - 1) * topk + 1)",
            "self.cache_margin = max(num_draft_tokens + 1, (depth - 1) * topk + 1)",
-           (REVIEW + "test_tree_decoding_fits_the_cache_it_asks_for",)),
+           (TREES + "test_tree_decoding_fits_the_cache_it_asks_for",)),
     Mutant("draft_tree_beam_positions_not_advanced", TREE,
            "positions = (start + step)[:, None].expand(B, topk)", "positions = start[:, None].expand(B, topk)",
-           (REVIEW + "test_a_topk_one_tree_drafts_the_chain",)),
+           (TREES + "test_a_topk_one_tree_drafts_the_chain",)),
     Mutant("step_gathers_tree_rows_with_the_chain_stride", DECODE,
            "torch.arange(batch, device=last.device)[:, None] * tokens.shape[1] + path[:, :width]",
            "torch.arange(batch, device=last.device)[:, None] * width + path[:, :width]",
-           (REVIEW + "test_identical_requests_of_a_tree_batch_get_identical_drafts",)),
+           (TREES + "test_identical_requests_of_a_tree_batch_get_identical_drafts",)),
     Mutant("saved_drafter_drops_rope_scaling", FORMATS,
            '"rope_parameters": rope_parameters(config.rope_theta, config.rope_scaling),',
            '"rope_parameters": rope_parameters(config.rope_theta, None),',
-           (REVIEW + "test_saved_drafter_drafts_as_before_with_rope_scaling",)),
+           (TARGETS + "test_saved_drafter_drafts_as_before_with_rope_scaling",)),
     Mutant("d2t_repeated_target_accepted", FORMATS,
            "repeats = (targets[1:] <= targets[:-1]).nonzero()", "repeats = (targets[1:] < targets[:-1]).nonzero()",
-           (REVIEW + "test_d2t_with_a_repeated_target_is_a_checkpoint_error",)),
+           (TARGETS + "test_d2t_with_a_repeated_target_is_a_checkpoint_error",)),
     Mutant("top_p_ignores_top_k", SAMPLING,
            '        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))\n', "",
-           (REVIEW + "test_top_p_is_taken_over_the_renormalized_top_k_set",)),
+           (DEC + "test_top_p_is_taken_over_the_renormalized_top_k_set",)),
     Mutant("cli_drops_top_k", CLI,
            "return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,",
            "return dict(temperature=args.temperature, top_k=None, top_p=args.top_p, seed=args.seed,",
-           (REVIEW + "test_cli_top_k_reaches_the_sampler",)),
+           (CLI_TESTS + "test_cli_top_k_reaches_the_sampler",)),
     Mutant("cod_keep_not_conditional_on_parent", TRAIN,
            "keep = max(ratio**d, floor) / max(ratio ** (d - 1), floor)", "keep = max(ratio**d, floor)",
-           (REVIEW + "test_cod_nodes_nest_and_keep_the_configured_fraction_per_depth",)),
+           (TR + "test_cod_nodes_nest_and_keep_the_configured_fraction_per_depth",)),
     Mutant("cod_depths_sampled_independently", TRAIN,
            "kept = kept[(torch.rand(len(kept), generator=generator) < keep) & (kept + d + 1 <= length)]",
            "kept = torch.arange(length)[(torch.rand(length, generator=generator) < max(ratio**d, floor))"
            " & (torch.arange(length) + d + 1 <= length)]",
-           (REVIEW + "test_cod_nodes_nest_and_keep_the_configured_fraction_per_depth",)),
+           (TR + "test_cod_nodes_nest_and_keep_the_configured_fraction_per_depth",)),
     # Several stop ids (decode.py _StopIds, _read_tokens, _finish).
     Mutant("finish_ignores_the_stop_index", DECODE,
            "kept = new[: min(stop + 1, max_new_tokens - len(generated))]", "kept = new[: max_new_tokens - len(generated)]",
@@ -298,7 +298,7 @@ MUTANTS = [
            "return torch.where(torch.isin(tokens, self.ids), columns, width).min(dim=1).values",
            "hit = torch.isin(tokens, self.ids)\n"
            "        return torch.where(hit.any(dim=1), torch.where(hit, columns, -1).max(dim=1).values, width)",
-           (REVIEW + "test_two_stop_ids_in_one_accepted_run_stop_at_the_first",)),
+           (DEC + "test_two_stop_ids_in_one_accepted_run_stop_at_the_first",)),
     Mutant("read_tokens_skip_not_applied", DECODE,
            "stops.first(rows[:, skip:])[:, None]", "stops.first(rows)[:, None]", (STOP_IN_RUN,)),
     # The RoPE config parser (rope.py rope_config).

@@ -9,6 +9,8 @@ import torch
 import qspec_ext  # noqa: F401  (registers the ops)
 from helpers import make_hf
 
+from qspec_ext import NativeTarget
+
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 # Kernel vs reference: both compute in fp32 and round once, so they differ by at most
@@ -50,3 +52,11 @@ def hf_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3")
     make_hf().save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def small_target(tmp_path_factory):
+    """A 3-layer tiny target (aux layers 1, 2, 3): fast, and each compiled graph builds in seconds."""
+    path = tmp_path_factory.mktemp("qwen3-small")
+    make_hf(layers=3).save_pretrained(path)
+    return NativeTarget.from_pretrained(path, aux_layer_ids=[1, 2, 3])

@@ -319,3 +319,17 @@ def test_chat_ends_a_turn_at_the_eos_and_leaves_at_the_end_of_input(chat_pair):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "> \n> > \n> \n"  # empty answers (the EOS first), a blank line skipped
     assert proc.stderr.count("[1 tokens,") == 2
+
+
+def test_cli_top_k_reaches_the_sampler(capsys):
+    """--top-k 1 keeps only the most likely token: sampling at any temperature is then greedy
+    decoding (and without --top-k these settings sample something else)."""
+
+    def tokens(*flags):
+        assert qspec_main(["generate", "--prompt", "def main():\n", "--max-new-tokens", "12", "--json", "-k", "2",
+                           "--seed", "1", *flags]) == 0
+        return json.loads(capsys.readouterr().out)["outputs"][0]["token_ids"]
+
+    greedy = tokens()
+    assert tokens("--temperature", "2.0", "--top-k", "1") == greedy
+    assert tokens("--temperature", "2.0") != greedy

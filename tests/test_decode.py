@@ -1,6 +1,7 @@
 """Targets and the speculative decode loop: lossless greedy, sampling distribution, stats, CLI."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import qspec_ext
 from qspec_ext import HFTarget, NativeTarget, SpeculativeDecoder, generate_plain
 from qspec_ext.cli import main as qspec_main
 from qspec_ext.models.checkpoint import CheckpointError
+from qspec_ext.sampling import apply_top_k_top_p
 
 from helpers import (AUX, H, LAYERS, PROMPTS, VOCAB, OracleDrafter, hf_config, law_pvalue, make_drafter, make_hf,
                      oracle_decoder, target_law)
@@ -486,8 +488,6 @@ def test_repetition_penalty_errors(hf_dir):
 def test_top_k_top_p_sorting_only_the_top_k_gives_the_same_sets():
     """max_top_k sorts only the k most likely tokens: the kept sets equal the full sort's, ties at
     the k-th value (which count in top-p's mass) included."""
-    from qspec_ext.sampling import apply_top_k_top_p
-
     generator = torch.Generator().manual_seed(0)
     for trial in range(200):
         logits = torch.randn(4, 2, 300, generator=generator)
@@ -524,3 +524,61 @@ def test_drafts_carry_the_repetition_penalty(hf_dir, parallel):
         assert not seen.gather(1, drafts).any(), "a draft repeats a token seen before the step"
         if not parallel:
             assert all(len(set(row)) == len(row) for row in drafts.tolist()), "a chain repeats its own draft"
+
+
+def reference_kept(logits: list[float], top_k: int | None, top_p: float | None) -> list[bool]:
+    """vLLM / FlashInfer's law, written plainly: the k most likely tokens, then of those the
+    fewest most likely whose probability, renormalized over the k, reaches top_p."""
+    order = sorted(range(len(logits)), key=lambda i: -logits[i])
+    kept = order[: top_k or len(logits)]
+    if top_p is not None:
+        weights = [math.exp(logits[i] - logits[kept[0]]) for i in kept]
+        total, mass, count = sum(weights), 0.0, 0
+        for w in weights:
+            mass, count = mass + w / total, count + 1
+            if mass >= top_p:
+                break
+        kept = kept[:count]
+    return [i in kept for i in range(len(logits))]
+
+
+def test_top_p_is_taken_over_the_renormalized_top_k_set():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 12, generator=g) * 2  # distinct values: no ties at a boundary
+    top_k = torch.randint(1, 13, (64,), generator=g)
+    top_p = torch.rand(64, generator=g) * 0.9 + 0.05
+    kept = ~torch.isinf(apply_top_k_top_p(logits, top_k, top_p))
+    expected = [reference_kept(row, int(k), float(p)) for row, k, p in zip(logits.tolist(), top_k, top_p)]
+    assert kept.tolist() == expected
+    # The order matters in some of these rows: top-p over the whole distribution, then top-k, keeps more.
+    unordered = [[a and b for a, b in zip(reference_kept(row, None, float(p)), reference_kept(row, int(k), None))]
+                 for row, k, p in zip(logits.tolist(), top_k, top_p)]
+    assert sum(a != b for a, b in zip(unordered, expected)) >= 5
+
+
+def test_two_stop_ids_in_one_accepted_run_stop_at_the_first(small_target):
+    """Drafts that are the target's own continuation are accepted whole (k + 1 tokens a step);
+    with two stop ids inside one such run, the request ends at the first of them."""
+    free = generate_plain(small_target, PROMPTS[:1], 30).tokens[0]
+    decoder = SpeculativeDecoder(small_target, make_drafter(), 4)
+    at = {"newest": 0}  # the index in free of the newest generated token
+
+    def oracle(state, penalty=None):
+        return torch.tensor([(free + [0] * 8)[at["newest"] + 1 : at["newest"] + 5]])
+
+    step = decoder.step
+
+    def counting(*args):
+        out = step(*args)
+        at["newest"] += int(out[1][0]) + 1
+        return out
+
+    decoder.drafting.draft, decoder.step = oracle, counting
+    # Runs are free[1:6], free[6:11], ...: two distinct ids in one, the first not seen before it.
+    pairs = [(i, j) for start in range(1, 26, 5) for i in range(start, start + 5) for j in range(i + 1, start + 5)
+             if free[i] not in free[:i] and free[j] not in free[: i + 1]]
+    assert pairs, "the continuation has a run with two new ids"
+    i, j = pairs[0]
+    result = decoder.generate(PROMPTS[:1], 30, eos_token_id=[free[j], free[i]])
+    assert result.tokens == [free[: i + 1]]
+    assert result.stats.num_accepted_tokens == 4 * result.stats.num_drafts, "every run accepted whole"

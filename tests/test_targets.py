@@ -9,12 +9,13 @@ import pytest
 import torch
 import transformers
 
-from helpers import AUX, PROMPTS, VOCAB, make_drafter, make_hf
+from helpers import AUX, H, PROMPTS, VOCAB, make_drafter, make_hf
 
 import qspec_ext
-from qspec_ext import (HFTarget, NativeTarget, SpeculativeDecoder, Target, generate_plain, load_pair,
+from qspec_ext import (Eagle3Drafter, HFTarget, NativeTarget, SpeculativeDecoder, Target, generate_plain, load_pair,
                        load_target)
 from qspec_ext.models.checkpoint import CheckpointError
+from qspec_ext.ops import verify_sampling
 from qspec_ext.rope import rope_config, rope_parameters
 from qspec_ext.text import stop_ids
 
@@ -463,3 +464,45 @@ def test_native_target_refuses_what_it_does_not_run_and_auto_falls_back(tmp_path
 def test_the_readme_links_nothing_outside_the_repository():
     readme = (REPO / "README.md").read_text()
     assert "../shared" not in readme and "](../" not in readme
+
+
+def test_saved_drafter_drafts_as_before_with_rope_scaling(tmp_path):
+    """save_pretrained keeps the RoPE scaling: the reloaded drafter's draft logits at positions
+    past the original context are the saved one's (and the scaling changes them)."""
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    drafter = make_drafter(rope_scaling=scaling)
+    drafter.save_pretrained(tmp_path)
+    loaded = Eagle3Drafter.from_pretrained(tmp_path)
+    g = torch.Generator().manual_seed(0)
+    features = torch.randn(1, 40, len(AUX) * H, generator=g)
+    tokens = torch.randint(0, VOCAB, (1, 40), generator=g)
+
+    def logits(model):
+        model.setup(1, 48)
+        return model.prefill(features, tokens, torch.arange(40)[None])[0]
+
+    expected = logits(drafter)
+    torch.testing.assert_close(logits(loaded), expected)
+    unscaled = logits(make_drafter())  # the same weights (same seed), no scaling
+    assert not torch.allclose(unscaled, expected, atol=1e-3), "the scaling matters at these positions"
+
+
+def test_d2t_with_a_repeated_target_is_a_checkpoint_error(tmp_path):
+    """Two draft ids mapped to one target id (t2d marking exactly the mapped ids): not a sorted
+    draft vocabulary, refused at load, naming the file, as the verify kernel refuses such a d2t."""
+    drafter = make_drafter(draft_vocab=60)
+    with torch.no_grad():
+        targets = torch.arange(60) + drafter.d2t
+        targets[5] = targets[4]
+        drafter.d2t.copy_(targets - torch.arange(60))
+        drafter.t2d.zero_()
+        drafter.t2d[targets] = True
+    drafter.save_pretrained(tmp_path)
+    with pytest.raises(CheckpointError, match=r"model.safetensors: d2t must map draft ids to strictly increasing "
+                                              r"target ids .*draft id 4 -> (\d+) and 5 -> \1"):
+        Eagle3Drafter.from_pretrained(tmp_path)
+    # The kernels' rule is the same: such a d2t cannot be used with draft probabilities.
+    probs = torch.full((1, 1, 60), 1 / 60)
+    with pytest.raises(RuntimeError, match="argument 'd2t' must map draft ids to strictly increasing target ids"):
+        verify_sampling(torch.tensor([[int(targets[0])]]), probs, torch.zeros(1, 2, VOCAB), torch.ones(1),
+                        torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), drafter.d2t)

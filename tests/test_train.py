@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 import random
 
 import pytest
@@ -744,3 +745,19 @@ def test_a_packed_run_resumes_with_its_feature_cache_gone(tiny_target, tmp_path,
     monkeypatch.setattr(torch.optim.AdamW, "step", real_step)
     _, history = train_drafter(tiny_target / "target", [tiny_target / "code.py"], tmp_path / "longer", longer, **files)
     assert len(history) == 8 and history[:4] == whole_history[:4]
+
+
+def test_cod_nodes_nest_and_keep_the_configured_fraction_per_depth():
+    """speculators' COD sampling: depth 0 is every anchor; a node (anchor, d) is sampled only if
+    (anchor, d - 1) was, so the keep probability at depth d is conditional on the parent, and
+    overall a fraction max(ratio^d, floor) of the anchors whose label row exists is at depth d."""
+    length, depths, ratio, floor = 20000, 6, 0.6, 0.2
+    anchor, depth = cod_nodes(length, depths, ratio, floor, torch.Generator().manual_seed(0))
+    assert (anchor + depth + 1 <= length).all(), "every node's label row exists"
+    at = [set(anchor[depth == d].tolist()) for d in range(depths)]
+    assert at[0] == set(range(length))
+    for d in range(1, depths):
+        assert at[d] <= at[d - 1], f"a depth-{d} node without its parent"
+        eligible, fraction = length - d, max(ratio**d, floor)
+        sigma = math.sqrt(eligible * fraction * (1 - fraction))  # independent anchors: a binomial count
+        assert abs(len(at[d]) - eligible * fraction) < 5 * sigma, (d, len(at[d]), eligible * fraction)
