@@ -85,7 +85,7 @@ def test_draft_tree_is_the_best_nodes_by_cumulative_log_probability(depth, topk,
 
 def test_tree_forward_of_the_target_equals_running_each_path(target_dir):
     """Row j of one tree forward == the target's logits after the path to node j, each path
-    run as an ordinary sequence; and after keep_path the cache continues the accepted path."""
+    run as an ordinary sequence; and after commit_path the cache continues the accepted path."""
     target = NativeTarget.from_pretrained(target_dir, aux_layer_ids=AUX)
     prompt = [5, 6, 7, 8, 9, 10]
     parents = torch.tensor([[0, 0, 1, 1, 3, 2]])
@@ -109,7 +109,7 @@ def test_tree_forward_of_the_target_equals_running_each_path(target_dir):
     target.setup(1, 32)
     target(torch.tensor([prompt[:-1]]), torch.arange(5)[None])
     target(tokens, 5 + depths, tree=tree)
-    target.keep_path(tree, torch.tensor([[0, 1, 3, 5, -1, -1, -1]]))
+    target.commit_path(tree, torch.tensor([[0, 1, 3, 5, -1, -1, -1]]))
     after = target(torch.tensor([[90]]), torch.tensor([[9]]))[0, 0]
     target.setup(1, 32)
     seq = prompt + [11, 13, 15, 90]

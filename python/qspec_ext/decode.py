@@ -96,7 +96,7 @@ class _Sampler:
         self.top_p = None if top_p is None else torch.full((batch,), top_p, device=device)
         self.generators = [torch.Generator(device=device).manual_seed(seed * 1_000_003 + b) for b in range(batch)]
 
-    def keep(self, rows: list[int]) -> None:
+    def keep_requests(self, rows: list[int]) -> None:
         """Follows the batch to its rows ``rows`` (see :func:`_kept_rows`)."""
         index = torch.tensor(rows, device=self.generators[0].device)
         self.top_k = None if self.top_k is None else self.top_k[index]
@@ -303,7 +303,7 @@ def _decode(target, steps, prompts: list[list[int]], max_new_tokens: int, sampli
             index = torch.tensor(rows, device=device)
             steps.keep_requests(rows, kept, index)
             last, position = last[index], position[index]
-            sampler.keep(rows)
+            sampler.keep_requests(rows)
             live = [live[i] for i in rows]
         active = ~torch.tensor([done[r] for r in live], device=device)
         out, accepted, last, position = steps.step(last, position, active, sampler)
@@ -427,11 +427,11 @@ class SpeculativeDecoder:
         # The drafter's next pairs: features of the accepted path [last, drafts...] with the
         # tokens after them, at consecutive positions (a fixed width: one shape per step).
         batch, width = tokens.shape[0], drafting.max_depth + 1
-        keep = (path[:, :width] >= 0) & active[:, None]
-        rows = torch.where(keep, torch.arange(batch, device=last.device)[:, None] * tokens.shape[1] + path[:, :width], -1)
+        on_path = (path[:, :width] >= 0) & active[:, None]
+        rows = torch.where(on_path, torch.arange(batch, device=last.device)[:, None] * tokens.shape[1] + path[:, :width], -1)
         norm_mode, norm_weight = drafter.fc_norm_mode()
         fc_input = target.capture.gather(rows.reshape(-1), norm_mode, norm_weight, drafter.config.rms_norm_eps)
-        pair_positions = torch.where(keep, position[:, None] + torch.arange(width, device=last.device), -1)
+        pair_positions = torch.where(on_path, position[:, None] + torch.arange(width, device=last.device), -1)
         _, state = drafter.prefill(fc_input.view(batch, width, -1), out[:, :width].clamp(min=0), pair_positions,
                                    normalized=True, last_only=True, packed=not self.compiled, check_bounds=False)
         return out, accepted, out.gather(1, accepted[:, None])[:, 0], position + accepted + 1, state

@@ -119,4 +119,4 @@ class TreeDrafting:
 
     def commit(self, proposal: Proposal, path: torch.Tensor) -> None:
         """Moves the accepted path's K/V to consecutive cache slots (the target's)."""
-        self.target.keep_path(proposal.tree, path)
+        self.target.commit_path(proposal.tree, path)

@@ -150,7 +150,7 @@ class Attention(nn.Module):
         q_norm = self._modules.get("q_norm")  # not hasattr: a missing module raises inside nn.Module, slowly
         return (None, None) if q_norm is None else (q_norm.weight, self.k_norm.weight)
 
-    def forward_cached(self, ops, u: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], cos_sin: torch.Tensor,
+    def forward_cached(self, kernels, u: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], cos_sin: torch.Tensor,
                        at: "CachedPositions", eps: float, window: int | None = None,
                        only: "LastTokens | None" = None) -> torch.Tensor:
         """o_proj(attention) of u (the forward's token rows, ``[B*T, in]`` or packed) at the
@@ -161,7 +161,7 @@ class Attention(nn.Module):
         those tokens attend (a last layer whose other rows nobody reads): returns their ``[B, H]``."""
         batch, tokens = at.positions.shape
         qkv = self.qkv(u)
-        ops.qk_norm_rope_(qkv, *self.qk_norm_weights(), cos_sin, at.rope_positions, self.heads, self.kv_heads,
+        kernels.qk_norm_rope_(qkv, *self.qk_norm_weights(), cos_sin, at.rope_positions, self.heads, self.kv_heads,
                           self.head_dim, eps, True, *cache, at.slots)
         q = qkv[:, : self.heads * self.head_dim]
         positions = at.positions
@@ -172,7 +172,7 @@ class Attention(nn.Module):
         elif at.token_rows is not None:  # packed tokens: their queries in the [B*T] grid, padding zero
             q = q.new_zeros(batch * tokens, q.shape[1]).index_copy_(0, at.token_rows, q)
         q = q.reshape(*positions.shape, self.heads, self.head_dim)
-        context = ops.cached_attention(q, *cache, positions, self.head_dim**-0.5, window or 0, *at.tree_args)
+        context = kernels.cached_attention(q, *cache, positions, self.head_dim**-0.5, window or 0, *at.tree_args)
         context = context.reshape(positions.numel(), -1)
         if only is None and at.token_rows is not None:
             context = context[at.token_rows]
@@ -186,10 +186,10 @@ class MLP(nn.Module):
         named_parts_in_checkpoints(self, "gate_up_proj", dict(gate_proj=intermediate, up_proj=intermediate))
         self.down_proj = Linear(intermediate, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor, ops=reference) -> torch.Tensor:
-        """down_proj(silu(gate) * up) with ``ops``' silu_and_mul: the models' cached forwards pass
+    def forward(self, x: torch.Tensor, kernels=reference) -> torch.Tensor:
+        """down_proj(silu(gate) * up) with ``kernels``' silu_and_mul: the models' cached forwards pass
         theirs (the custom op), training keeps the differentiable reference."""
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
 class CachedPositions:
@@ -277,7 +277,7 @@ def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
     return reach
 
 
-def keep_path(caches: list[tuple[torch.Tensor, torch.Tensor]], tree: TreeAttention, path: torch.Tensor) -> None:
+def commit_path(caches: list[tuple[torch.Tensor, torch.Tensor]], tree: TreeAttention, path: torch.Tensor) -> None:
     """Moves the K/V of tree rows ``path [B, N+1]`` (-1 = none) to slots ``start + 0, 1, ...`` in
     every layer's cache (all sources are read before any write). Static shapes: every row is
     copied, the rows off the path onto themselves (inactive requests: slot 0, never a tree's)."""

@@ -13,7 +13,7 @@ class Capabilities:
     """What a target can do beyond a chain forward; the decode loop asks these, never the class."""
 
     static_cache: bool  # a preallocated KV cache, rewound by the next call's positions
-    trees: bool  # tree attention in forward(tree=...) and keep_path after it
+    trees: bool  # tree attention in forward(tree=...) and commit_path after it
     compilable: bool  # forward traces as one static-shape graph (torch.compile fullgraph)
 
 

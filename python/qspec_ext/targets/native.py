@@ -17,7 +17,7 @@ from ..shipped import cache_root
 from ..models.checkpoint import (CheckpointError, check_tensors, load_tensors, map_tensor, map_tensor_converted,
                                  read_config, resolve_checkpoint, trim_heap)
 from ..models.layers import (MLP, Attention, CachedPositions, LastTokens, RMSNormWeight, TreeAttention,
-                             join_checkpoint_parts, keep_path, keep_requests, static_caches, static_cos_sin)
+                             join_checkpoint_parts, commit_path, keep_requests, static_caches, static_cos_sin)
 from ..models.linear import Linear, pack_linears
 from .base import Capabilities
 
@@ -87,16 +87,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNormWeight(c.hidden_size)
         self.mlp = MLP(c.hidden_size, c.intermediate_size)
 
-    def forward_cached(self, ops, hidden: torch.Tensor, residual: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
+    def forward_cached(self, kernels, hidden: torch.Tensor, residual: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
                        cos_sin: torch.Tensor, at: CachedPositions, c: NativeConfig,
                        only: LastTokens | None = None) -> None:
         """In place on the stream ``hidden + residual`` ``[B*T, H]`` (its two parts updated), the
-        layer's K/V written into ``cache`` at the forward's positions ``at``: ``ops.decoder_layer_``.
+        layer's K/V written into ``cache`` at the forward's positions ``at``: ``kernels.decoder_layer_``.
         ``only``: every token's K/V is written, but only the ``only`` rows attend and run the MLP
         (a prefill's last layer: nobody reads the other rows, left half-way)."""
         attn, mlp = self.self_attn, self.mlp
         output = (only.rows, only.positions) if only is not None else (None, None)
-        ops.decoder_layer_(hidden, residual, self.input_layernorm.weight, self.post_attention_layernorm.weight,
+        kernels.decoder_layer_(hidden, residual, self.input_layernorm.weight, self.post_attention_layernorm.weight,
                            attn.qkv_proj.inference_weight(hidden), attn.o_proj.inference_weight(hidden),
                            mlp.gate_up_proj.inference_weight(hidden), mlp.down_proj.inference_weight(hidden),
                            *attn.qk_norm_weights(), *cache, cos_sin, at.positions, at.rope_positions, at.slots,
@@ -221,7 +221,7 @@ class NativeTarget(nn.Module):
         """Logits ``[B, T, V]`` (``[B, V]`` at each request's last position with ``last_only``) of
         tokens ``[B, T]`` at positions ``[B, T]`` (-1 = padding). The aux features of all B*T rows
         are in :attr:`capture` until the next call (with CUDA graphs: of any compiled graph).
-        ``tree``: the tokens are a draft tree (its slots and ancestor mask); :meth:`keep_path` then
+        ``tree``: the tokens are a draft tree (its slots and ancestor mask); :meth:`commit_path` then
         keeps the accepted path. A ``last_only`` forward (a prefill) runs the tokens only, packed,
         not the padding of shorter prompts (eager: a compiled graph keeps its static shapes)."""
         c, o = self.config, self.ops
@@ -264,7 +264,7 @@ class NativeTarget(nn.Module):
         self.batch_size = len(rows)
 
     @torch.no_grad()
-    def keep_path(self, tree: TreeAttention, path: torch.Tensor) -> None:
+    def commit_path(self, tree: TreeAttention, path: torch.Tensor) -> None:
         """After a tree forward: moves the K/V of the accepted path (``path [B, N+1]`` tree rows,
         -1 after) to consecutive slots from the tree's start, where the next positions expect them."""
-        keep_path(self.caches, tree, path)
+        commit_path(self.caches, tree, path)
