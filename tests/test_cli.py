@@ -292,8 +292,10 @@ def run_chat(target_dir, draft_dir, stdin: str) -> subprocess.CompletedProcess:
 
 def test_chat_streams_each_turn_of_the_conversation(talking_chat_pair):
     """Two turns, then /exit: each streamed answer is the greedy answer to the whole conversation so
-    far in the chat template (the second turn sees the first answer)."""
+    far in the chat template (the second turn sees the first answer), under chat's default
+    repetition penalty."""
     from qspec_ext import SpeculativeDecoder, load_pair
+    from qspec_ext.demo import DEMO_PENALTY
     from qspec_ext.text import chat_ids, load_tokenizer, stop_ids
 
     target_dir, draft_dir, _ = talking_chat_pair
@@ -306,7 +308,8 @@ def test_chat_streams_each_turn_of_the_conversation(talking_chat_pair):
     messages = []
     for question, answer in zip(["hello", "how are you"], shown[1:3]):
         messages.append({"role": "user", "content": question})
-        ids = decoder.generate([chat_ids(target_dir, messages)], 6, eos_token_id=stop_ids(target_dir)).tokens[0]
+        ids = decoder.generate([chat_ids(target_dir, messages)], 6, eos_token_id=stop_ids(target_dir),
+                               repetition_penalty=DEMO_PENALTY).tokens[0]  # chat's default
         expected = tokenizer.decode(ids)
         assert answer == expected + "\n"
         messages.append({"role": "assistant", "content": expected})

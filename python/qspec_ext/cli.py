@@ -13,6 +13,7 @@ import torch
 from . import shipped
 from .bench import interleaved_rounds
 from .decode import SpeculativeDecoder, generate_plain
+from .demo import DEMO_PENALTY
 from .models.checkpoint import CheckpointError, read_config, resolve_checkpoint
 from .pair import DTYPES, load_pair
 from .text import chat_ids, load_tokenizer, stop_ids
@@ -211,6 +212,8 @@ def cmd_chat(args) -> int:
     it; /exit or Ctrl-D (end of input) leaves, Ctrl-C stops the answer being written (and at the
     prompt, leaves)."""
     resolve_models(args)
+    if args.repetition_penalty is None:  # a small model loops in a conversation without one
+        args.repetition_penalty = 1.0 if args.compile or args.topk > 1 else DEMO_PENALTY
     tokenizer, stops = load_tokenizer(args.target), stop_ids(args.target)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     chat_ids(args.target, messages + [{"role": "user", "content": "x"}])  # no template: an error before loading
@@ -341,7 +344,7 @@ def cmd_demo(args) -> int:
     from .demo import run_demo
 
     return run_demo(pair=args.pair, quick=args.quick, device=args.device, max_new_tokens=args.max_new_tokens,
-                    ks=args.k, compile=args.compile, rounds=args.rounds)
+                    ks=args.k, compile=args.compile, rounds=args.rounds, repetition_penalty=args.repetition_penalty)
 
 
 def cmd_train_drafter(args) -> int:
@@ -373,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     add_model_args(chat, prompts=False)
     chat.add_argument("-k", type=int, default=3, help="draft tokens per step")
     chat.add_argument("--system", help="a system message to start the conversation with")
-    chat.set_defaults(run=cmd_chat, chat=True, max_new_tokens=512)
+    # repetition_penalty None: DEMO_PENALTY where it runs (eager chains), else 1 (see cmd_chat).
+    chat.set_defaults(run=cmd_chat, chat=True, max_new_tokens=512, repetition_penalty=None)
     bench = commands.add_parser("bench", help="speculative vs plain decoding on the same prompts")
     add_model_args(bench)
     bench.add_argument("-k", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7], help="draft lengths to try")
@@ -394,6 +398,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--compile", action="store_true", help="compiled static-shape decode steps")
     demo.add_argument("--rounds", type=int, default=None,
                       help="interleaved timing rounds, medians reported (default 3; 1 with --quick)")
+    demo.add_argument("--repetition-penalty", type=float, default=None,
+                      help=f"HF / vLLM repetition penalty, plain and speculative decoding alike (default "
+                           f"{DEMO_PENALTY} for smollm2 eager, 1 for tiny or --compile)")
     demo.set_defaults(run=cmd_demo)
     train = commands.add_parser("train-drafter", help="train an EAGLE-3 drafter for a target on local text")
     train.add_argument("--target", required=True, help="transformers causal LM directory with tokenizer.json")

@@ -9,6 +9,10 @@ import torch
 
 from .shipped import DEMO_DIR
 
+# The real pair's default repetition penalty in the demo: greedy SmolLM2-135M loops without one
+# ("mushrooms, mushrooms, eggplant, ..."); it applies to plain and speculative decoding alike.
+DEMO_PENALTY = 1.2
+
 
 def stdlib_files(split: str) -> list[Path]:
     """The standard library's .py files (tests and site-packages left out), split by a hash of
@@ -79,14 +83,17 @@ def demo_requests(pair: str, count: int) -> tuple[list[str], list[list[int]], li
 
 
 def run_demo(pair: str = "smollm2", quick: bool = False, device: str = "cpu", max_new_tokens: int | None = None,
-             ks: list[int] | None = None, compile: bool = False, rounds: int | None = None) -> int:
+             ks: list[int] | None = None, compile: bool = False, rounds: int | None = None,
+             repetition_penalty: float | None = None) -> int:
     """Loads a named pair (target, chain drafter, P-EAGLE drafter where one is shipped), decodes
     its demo requests one at a time with and without speculation, checks the greedy outputs are
     identical, prints the text and chain and parallel drafting side by side: acceptance and speed
     by k, each configuration timed in ``rounds`` interleaved rounds (plain, then every
     configuration, again; default 3, 1 with ``quick``): the median tokens/s and the median of the
     rounds' speed-ups, so that one slow run does not decide a row. ``compile``: compiled decode
-    steps, each configuration timed after an untimed run that compiles it."""
+    steps, each configuration timed after an untimed run that compiles it. ``repetition_penalty``
+    (default :data:`DEMO_PENALTY` for the real pair decoded eagerly, else 1) applies to every
+    configuration: the outputs must still be identical."""
     from functools import partial
 
     from .bench import interleaved_rounds
@@ -119,8 +126,10 @@ def run_demo(pair: str = "smollm2", quick: bool = False, device: str = "cpu", ma
                 for kind, drafter in drafters.items() for k in ks}
     rounds = rounds or (1 if quick else 3)
     # One request at a time: the single-stream latency speculative decoding is for.
+    if repetition_penalty is None:
+        repetition_penalty = DEMO_PENALTY if pair == "smollm2" and not compile else 1.0
     timed = interleaved_rounds(configs, prompts, 1, rounds, warmup=lambda _: compile, max_new_tokens=new_tokens,
-                               eos_token_id=stops)
+                               eos_token_id=stops, repetition_penalty=repetition_penalty)
     runs = {name: results[-1] for name, results in timed.results.items()}
     plain = runs.pop(("plain", 0))
     speed = {name: timed.median(name) for name in configs}
@@ -135,7 +144,8 @@ def run_demo(pair: str = "smollm2", quick: bool = False, device: str = "cpu", ma
         print(tokenizer.decode(ids, skip_special_tokens=True))
     print("=" * 72)
     identical = all(run.tokens == plain.tokens for run in runs.values())
-    print(f"greedy speculative output identical to plain decoding: {'yes' if identical else 'NO'}")
+    penalty = f" (repetition penalty {repetition_penalty:g})" if repetition_penalty != 1.0 else ""
+    print(f"greedy speculative output identical to plain decoding{penalty}: {'yes' if identical else 'NO'}")
     print(f"plain decoding: {speed['plain', 0]:.1f} tokens/s (one request at a time; medians of {rounds} "
           f"interleaved round{'s' if rounds > 1 else ''})"
           + (f"; compiled steps (compile time {sum(timed.compile_time.values()):.0f} s, "
