@@ -8,9 +8,9 @@ and check that the tests meant to catch each bug fail.
 
 Each mutant replaces an exact snippet (found exactly once in its file or, for Python code that
 moved, in one package file; else the script stops before any work: keep the list in sync with the
-code) in a fresh copy of python/qspec_ext (with its built _C*.so) and runs `pytest -x` on its selection with PYTHONPATH at the copy. A first, unmutated
-run (the built _C*.so as is) checks that the selections pass and that the copy is what the
-tests import. A mutant that survives
+code) in a fresh copy of python/qspec_ext (with its built _C*.so) and runs `pytest -x` on its
+selection with PYTHONPATH at the copy. A first, unmutated run (the built _C*.so as is) checks that
+the selections pass and that the copy is what the tests import. A mutant that survives
 its selection is run again on the whole test files of the selection before it counts as a
 survivor (a too-narrow selection gives false survivors). Exit status 1 unless every mutant
 was killed (survived, timed out, or stale: its snippet vanished while the script ran).
@@ -260,7 +260,7 @@ MUTANTS = [
     Mutant("tree_cache_margin_without_depth", TREE,
            "self.cache_margin = depth + max(num_draft_tokens + 1, (depth - 1) * topk + 1)",
            "self.cache_margin = max(num_draft_tokens + 1, (depth - 1) * topk + 1)",
-           (TREES + "test_tree_decoding_fits_the_cache_it_asks_for",)),
+           (TREES + "test_the_margin_holds_the_last_draft_of_a_finished_request",)),
     Mutant("draft_tree_beam_positions_not_advanced", TREE,
            "positions = (start + step)[:, None].expand(B, topk)", "positions = start[:, None].expand(B, topk)",
            (TREES + "test_a_topk_one_tree_drafts_the_chain",)),

@@ -158,17 +158,52 @@ def test_tree_errors(target_dir):
 
 
 @pytest.mark.parametrize("depth,topk,nodes,batch", [(3, 2, 3, 5), (4, 2, 4, 1), (4, 2, 4, 5), (5, 3, 5, 1)])
-def test_tree_decoding_fits_the_cache_it_asks_for(small_target, depth, topk, nodes, batch):
+def test_tree_decoding_fits_the_cache_it_asks_for(small_target, monkeypatch, depth, topk, nodes, batch):
     """With max_length=None the caches are exactly prompt + max_new_tokens + the strategy's
-    margin. Every request runs to max_new_tokens, so the last steps draft where the margin is
-    tightest: a request may end max_depth tokens past its last new token (the drafter's bound
-    before each step), and the next tree's beam takes (depth - 1) * topk slots after that."""
+    margin, and every draft of every step fits them: the drafts' own bounds check is on, and
+    finished requests stay in the batch as padding (as compiled steps keep them), drafting from
+    their last state, which may sit max_depth tokens past their last new token; the beam takes
+    (depth - 1) * topk slots after that."""
+    import qspec_ext.decode
+
+    kept_rows = qspec_ext.decode._kept_rows
+    monkeypatch.setattr(qspec_ext.decode, "_kept_rows", lambda live, done, compiled: kept_rows(live, done, True))
     prompts, new = PROMPTS[:batch], 12
     plain = generate_plain(small_target, prompts, new).tokens
     decoder = SpeculativeDecoder(small_target, make_drafter(), depth, topk=topk, num_draft_tokens=nodes)
+    decoder.drafting.check_bounds = True
     result = decoder.generate(prompts, new)
     assert small_target.max_length == max(map(len, prompts)) + new + decoder.drafting.cache_margin, "the exact cache"
     assert result.tokens == plain and all(len(t) == new for t in result.tokens)
+
+
+@pytest.mark.parametrize("depth,topk,nodes", [(3, 2, 3), (4, 2, 4), (5, 3, 5), (2, 4, 8)])
+def test_the_margin_holds_the_last_draft_of_a_finished_request(small_target, depth, topk, nodes):
+    """A finished request kept in the batch as padding (compiled steps keep batches at powers of
+    two) drafts once more from its last state: at worst max_depth tokens past its last new token
+    (its last step accepted every draft), the beam's (depth - 1) * topk slots after that. The
+    exact cache of its longest prompt must still hold them (the drafts' bounds check is on)."""
+    from qspec_ext.drafting import TreeDrafting
+    from qspec_ext.models import DraftState
+
+    drafter = make_drafter()
+    drafting = TreeDrafting(small_target, drafter, depth, topk, nodes)
+    prompt, new = 9, 12
+    drafter.setup(1, prompt + new + drafting.cache_margin)
+    last = prompt + new + drafting.max_depth - 1  # the position of its newest token, at worst
+    state = DraftState(torch.zeros(1, VOCAB), torch.zeros(1, H), torch.tensor([last]))
+    draft_ids, parents = drafting.draft(state)
+    assert draft_ids.shape == parents.shape == (1, nodes)
+
+
+def test_tree_draft_refuses_a_parallel_drafter():
+    from qspec_ext.models import DraftState
+
+    drafter = make_drafter(parallel_drafting=True, mask_token_id=3)
+    drafter.setup(1, 32)
+    state = DraftState(torch.zeros(1, VOCAB), torch.zeros(1, H), torch.tensor([4]))
+    with pytest.raises(ValueError, match=r"tree_draft: tree drafting asked of a P-EAGLE \(parallel\) drafter"):
+        tree_draft(drafter, state, 3, 2, 4)
 
 
 def position_sensitive_drafter(theta: float = 100.0, sharpness: float = 4.0) -> Eagle3Drafter:

@@ -68,10 +68,6 @@ class Rounds:
         fastest = [max(rates) for rates in zip(*(self.rates(b, decode) for b in baselines))]
         return statistics.median(a / b for a, b in zip(self.rates(name, decode), fastest))
 
-    def fastest(self, names: Iterable) -> Hashable:
-        """Of ``names``, the one with the highest median tokens/s."""
-        return max(names, key=self.median)
-
 
 def interleaved_rounds(configs: dict[Hashable, Generate], prompts: list[list[int]], batch_size: int, rounds: int,
                        warmup: Callable[[Hashable], bool] = lambda name: False,

@@ -376,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     add_model_args(chat, prompts=False)
     chat.add_argument("-k", type=int, default=3, help="draft tokens per step")
     chat.add_argument("--system", help="a system message to start the conversation with")
+    chat.description = (f"Without --repetition-penalty, chat uses {DEMO_PENALTY} (a small model loops without one); "
+                        f"1 with --compile or trees (--topk > 1), which run without one.")
     # repetition_penalty None: DEMO_PENALTY where it runs (eager chains), else 1 (see cmd_chat).
     chat.set_defaults(run=cmd_chat, chat=True, max_new_tokens=512, repetition_penalty=None)
     bench = commands.add_parser("bench", help="speculative vs plain decoding on the same prompts")

@@ -25,7 +25,8 @@ __all__ = ["ChainDrafting", "Drafting", "ParallelDrafting", "Proposal", "TreeDra
 
 
 class Drafting(Protocol):
-    kind: str
+    kind: str  # "chain", "parallel" or "tree"
+    topk: int  # children per node (1: a chain)
     max_depth: int  # most drafts one step can accept
     num_draft_tokens: int  # rows the target verifies past the last token
     cache_margin: int  # positions past a request's new tokens that a step may write

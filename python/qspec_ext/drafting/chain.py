@@ -38,7 +38,7 @@ def chain_logits(drafter, state: DraftState, k: int, penalty: Penalty | None = N
     previous step's greedy token and x_next. ``penalty`` (in the draft vocabulary): each step's
     logits get the repetition penalty of the tokens seen and drafted before it, as the target's
     verification rows will. The steps' K/V go to the positions after the state's; the next
-    prefill overwrites them."""
+    prefill overwrites them. Unchecked: :class:`ChainDrafting` checks that they fit."""
     logits, hidden, position = state.logits, state.hidden, state.next_position
     factor, seen = penalty if penalty is not None else (1.0, None)
     # Copied out at each step: a compiled step (a CUDA graph) reuses its output buffers.

@@ -11,7 +11,7 @@ from .chain import ChainDrafting, Penalty, in_draft_vocabulary
 def parallel_logits(drafter, state: DraftState, k: int) -> torch.Tensor:
     """The draft logits ``[B, k, Vd]`` of one P-EAGLE forward: the state's logits give draft 1,
     mask slots at the k - 1 next positions give drafts 2..k (their K/V written there; the next
-    prefill overwrites them)."""
+    prefill overwrites them; unchecked: :class:`ParallelDrafting` checks that they fit)."""
     first = state.logits[:, None]
     if k == 1:
         return first

@@ -25,7 +25,9 @@ def tree_draft(drafter, state: DraftState, depth: int, topk: int,
     topological order, the layout of ``verify_tree_*``.
 
     The beam's K/V go to the (depth - 1) * topk cache slots after the last prefilled pair;
-    the next prefill overwrites them."""
+    the next prefill overwrites them. Unchecked: :class:`TreeDrafting` checks that they fit."""
+    if drafter.config.parallel_drafting:
+        raise ValueError("tree_draft: tree drafting asked of a P-EAGLE (parallel) drafter")
     candidates = topk + (depth - 1) * topk * topk
     if not 1 <= num_draft_tokens <= candidates:
         raise ValueError(f"tree_draft: num_draft_tokens must be in [1, {candidates}] "
@@ -93,7 +95,8 @@ class TreeDrafting:
         self.depth, self.topk, self.num_draft_tokens = depth, topk, num_draft_tokens
         self.max_depth = min(depth, num_draft_tokens)  # most drafts one step can accept
         # The target's tree takes N + 1 slots from the last verified token; the drafter's beam
-        # (depth - 1) * topk; a request may end depth tokens past its last new token.
+        # (depth - 1) * topk. A finished request kept as padding (compiled steps) drafts once more
+        # from up to max_depth tokens past its last new token.
         self.cache_margin = depth + max(num_draft_tokens + 1, (depth - 1) * topk + 1)
 
     def draft(self, state: DraftState) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,7 +106,9 @@ class TreeDrafting:
                                           f"a tree of depth {self.depth} and topk {self.topk}")
         return tree_draft(self.drafter, state, self.depth, self.topk, self.num_draft_tokens)
 
-    def propose(self, root: torch.Tensor, state: DraftState) -> Proposal:
+    def propose(self, root: torch.Tensor, state: DraftState, penalty=None) -> Proposal:
+        if penalty is not None:
+            raise ValueError("TreeDrafting: a repetition penalty runs with chain and parallel drafting, not trees")
         draft_ids, parents = self.draft(state)
         ancestors = tree_ancestors(parents)
         depths = ancestors.sum(-1) - 1

@@ -29,7 +29,6 @@ from .layers import (MLP, Attention, CachedPositions, RMSNormWeight, TreeAttenti
 from .linear import Linear, pack_linears
 
 
-
 class DecoderLayer(nn.Module):
     def __init__(self, c: Eagle3Config, first: bool):
         super().__init__()
@@ -159,7 +158,8 @@ class Eagle3Drafter(nn.Module):
 
     def forward(
         self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, from_features: bool,
-        normalized: bool = False, tree: TreeAttention | None = None, last_only: bool = False, packed: bool = True,
+        normalized: bool = False, tree: TreeAttention | None = None, last_only: bool = False,
+        packed: bool | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One pass over pairs: hidden ``[B, T, n*H]`` features (from_features; already the
         normalized fc input when ``normalized``) or ``[B, T, H]`` x_next; tokens, positions
@@ -168,13 +168,16 @@ class Eagle3Drafter(nn.Module):
         norm and lm_head run on those rows only); writes the pairs' K/V into the cache (at the
         slots of ``tree`` when the pairs are tree nodes, which then attend to the context and
         their ancestors only). ``packed`` (with last_only): the valid rows run without the grid's
-        padding, a data-dependent shape that a static-shape compiled graph cannot take."""
+        padding, a data-dependent shape that a static-shape compiled graph cannot take (default:
+        packed unless being compiled)."""
         c, o = self.config, self.ops
         B, T = tokens.shape
         if B != self.batch_size or not self.caches:
             raise RuntimeError(f"Eagle3Drafter: call setup({B}, max_length) first (set up for {getattr(self, 'batch_size', None)})")
         # last_only (a prefill): the last layer attends, and runs its MLP, for each request's last
         # token only (every token's K/V is still written).
+        if packed is None:
+            packed = not torch.compiler.is_compiling()
         at = CachedPositions(positions, self.max_length, tree, packed=last_only and packed)
         if from_features:
             features = at.tokens(hidden.reshape(B * T, -1))
@@ -214,7 +217,7 @@ class Eagle3Drafter(nn.Module):
     # ------------------------------------------------------------------ prefill
     @torch.no_grad()
     def prefill(self, aux_features: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
-                normalized: bool = False, last_only: bool = False, packed: bool = True,
+                normalized: bool = False, last_only: bool = False, packed: bool | None = None,
                 check_bounds: bool = True) -> tuple[torch.Tensor, DraftState]:
         """Runs pairs (features of token t, token t+1) at ``positions`` (``[B, T]``, -1 = padding)
         through the drafter, filling the KV cache. Returns draft logits ``[B, T, Vd]`` (``[B, Vd]``
@@ -222,8 +225,9 @@ class Eagle3Drafter(nn.Module):
         what decoding uses) and the :class:`DraftState` that the next drafts start from (each
         request's last pair). Also used after a verification with the accepted tokens (positions
         rewind the cache). ``normalized``: the features are already the fc input (gathered with
-        :meth:`fc_norm_mode`). ``check_bounds``: positions past the cache are an error (a host
-        synchronization; the decode loop sizes the cache once per generate call and skips it)."""
+        :meth:`fc_norm_mode`). ``packed``: as :meth:`forward`'s. ``check_bounds``: positions past
+        the cache are an error (a host synchronization; the decode loop sizes the cache once per
+        generate call and skips it)."""
         if check_bounds:
             top = int(positions.max())
             if top >= self.max_length:

@@ -16,8 +16,8 @@ from ..rope import rope_config
 from ..shipped import cache_root
 from ..models.checkpoint import (CheckpointError, check_tensors, load_tensors, map_tensor, map_tensor_converted,
                                  read_config, resolve_checkpoint, trim_heap)
-from ..models.layers import (MLP, Attention, CachedPositions, LastTokens, RMSNormWeight, TreeAttention,
-                             join_checkpoint_parts, commit_path, keep_requests, static_caches, static_cos_sin)
+from ..models.layers import (MLP, Attention, CachedPositions, LastTokens, RMSNormWeight, TreeAttention, commit_path,
+                             join_checkpoint_parts, keep_requests, static_caches, static_cos_sin)
 from ..models.linear import Linear, pack_linears
 from .base import Capabilities
 
