@@ -156,8 +156,12 @@ def train_part(part: str, config: TrainConfig, data: list[Path], shipped: Path, 
         (work / "before.json").write_text(json.dumps(record) + "\n")
     elif (work / "before.json").is_file():
         before = json.loads((work / "before.json").read_text())
-        config = TrainConfig(**dict(vars(config), steps=config.steps - before["steps_done"],
-                                    lr=config.lr * 0.5 * (1 + math.cos(math.pi * before["steps_done"] / config.steps))))
+        # The warm start's learning rate stays what it was when this run began (the checkpoint's),
+        # whatever the new total: the cosine from there is recomputed for the remaining steps.
+        lr = config.lr * 0.5 * (1 + math.cos(math.pi * before["steps_done"] / config.steps))
+        if (work / "checkpoint.pt").is_file():
+            lr = torch.load(work / "checkpoint.pt", weights_only=False, map_location="cpu")["config"].lr
+        config = TrainConfig(**dict(vars(config), steps=config.steps - before["steps_done"], lr=lr))
     curve = work / "curve"
 
     def evaluate_and_keep(drafter) -> dict:
