@@ -308,8 +308,12 @@ def _decode(target, steps, prompts: list[list[int]], max_new_tokens: int, sampli
         active = ~torch.tensor([done[r] for r in live], device=device)
         out, accepted, last, position = steps.step(last, position, active, sampler)
         # The one sync per step (stopping needs it): tokens, accepted counts and stop columns.
-        out_host, stop = _read_tokens(torch.cat([accepted[:, None], out], dim=1), stops, skip=1)
-        accepted_host = [row.pop(0) for row in out_host]
+        if accepted is None:  # plain decoding: one token, nothing drafted
+            out_host, stop = _read_tokens(out, stops)
+            accepted_host = [0] * len(out_host)
+        else:
+            out_host, stop = _read_tokens(torch.cat([accepted[:, None], out], dim=1), stops, skip=1)
+            accepted_host = [row.pop(0) for row in out_host]
 
         for i, r in enumerate(live):
             if done[r]:
@@ -346,12 +350,12 @@ class _PlainSteps:
     def keep_requests(self, rows: list[int], lengths: list[int], index: torch.Tensor) -> None:
         pass
 
-    def step(self, last, position, active, sampler) -> tuple[torch.Tensor, ...]:
-        """(the new token [B, 1], 0 accepted drafts, the new token, its position)."""
+    def step(self, last, position, active, sampler) -> tuple:
+        """(the new token [B, 1], no accepted drafts (None), the new token, its position)."""
         logits = self.forward(last[:, None], torch.where(active, position, -1)[:, None])[:, 0]
         token = sampler.pick(logits)
         sampler.observe(token[:, None])
-        return token[:, None], torch.zeros_like(position), token, position + 1
+        return token[:, None], None, token, position + 1
 
 
 class SpeculativeDecoder:
