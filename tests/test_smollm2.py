@@ -164,7 +164,7 @@ def test_the_demo_answers_chat_prompts_with_the_real_pair(capsys):
     assert qspec_main(["demo", "--quick"]) == 0  # the default pair
     out = capsys.readouterr().out
     assert "user: " in out and "assistant:" in out
-    assert "greedy speculative output identical to plain decoding (repetition penalty 1.2): yes" in out
+    assert "greedy speculative output identical to plain decoding (repetition penalty 1.1): yes" in out
     assert run_demo(pair="tiny", quick=True, ks=[2]) == 0
 
 

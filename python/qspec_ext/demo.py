@@ -9,9 +9,11 @@ import torch
 
 from .shipped import DEMO_DIR
 
-# The real pair's default repetition penalty in the demo: greedy SmolLM2-135M loops without one
-# ("mushrooms, mushrooms, eggplant, ..."); it applies to plain and speculative decoding alike.
-DEMO_PENALTY = 1.2
+# The real pair's default repetition penalty in the demo and chat: greedy SmolLM2-135M loops without
+# one ("mushrooms, mushrooms, eggplant, ..."); it applies to plain and speculative decoding alike.
+# 1.1 reads as well as 1.2 and keeps more of the acceptance (the drafter learned unpenalized
+# answers): k = 3 on the demo's prompts 1.88 at 1.0 (looping), 1.64 at 1.1, 1.36 at 1.2.
+DEMO_PENALTY = 1.1
 
 
 def stdlib_files(split: str) -> list[Path]:
