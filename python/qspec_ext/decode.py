@@ -1,13 +1,14 @@
-"""The speculative decode loop: draft k tokens, verify them in one target forward, keep the
-accepted prefix and the target's own next token, repeat.
+"""The decode loop (:func:`_decode`, one for plain and speculative decoding): speculative steps
+draft k tokens, verify them in one target forward, keep the accepted prefix and the target's own
+next token, repeat; plain decoding is the same loop with one target forward per token.
 
-Each step: the drafting strategy proposes drafts (a chain, P-EAGLE's parallel drafts or a
-tree: see drafting/) -> target.forward([last, drafts]) -> the strategy verifies them and
-keeps the accepted path -> gather_aux_hidden of the accepted rows -> drafter.prefill of
-those pairs (which also rewinds the drafter's cache); the target's cache is rewound the
-same way, by the next step's positions. All of that is one device-side function
-(:meth:`SpeculativeDecoder._step`); the only host synchronization per step reads the accepted
-counts, which stopping needs. ``compile=True`` runs that step as one static-shape graph
+Each speculative step: the drafting strategy proposes drafts from the drafter's state (a chain,
+P-EAGLE's parallel drafts or a tree: see drafting/) -> target.forward([last, drafts]) -> the
+strategy verifies them and commits the accepted path -> gather_aux_hidden of the accepted rows ->
+drafter.prefill of those pairs (which also rewinds the drafter's cache) gives the next state; the
+target's cache is rewound the same way, by the next step's positions. All of that is one
+device-side function (:meth:`SpeculativeDecoder._step`); the only host synchronization per step
+reads the tokens and accepted counts, which stopping needs. ``compile=True`` runs that step as one static-shape graph
 (compiled.py); the prompt prefill, once per batch, runs eagerly: its tokens packed, without the
 padding of shorter prompts, which a static-shape graph would compute.
 """
