@@ -99,7 +99,7 @@ MUTANTS = [
            "torch.where(rows <= accepted[:, None], rows, -1)", "torch.where(rows < accepted[:, None], rows, -1)",
            (LOSSLESS,)),
     Mutant("tree_path_kv_not_kept", TREE,
-           "target.commit_path(proposal.tree, path)", "pass", (TREE_LOSSLESS,)),
+           "self.target.commit_path(proposal.tree, path)", "pass", (TREE_LOSSLESS,)),
     Mutant("tree_accepts_up_to_depth_past_its_nodes", TREE,
            "self.max_depth = min(depth, num_draft_tokens)", "self.max_depth = depth",
            (TREES + "test_greedy_tree_decoding_is_lossless[1-4-2-2]",)),
