@@ -18,13 +18,16 @@ Fails when a greedy speculative output differs from plain decoding.
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 import transformers
 from common import device_name, timed
 
 from qspec_ext import Eagle3Config, Eagle3Drafter, HFTarget, SpeculativeDecoder, generate_plain
-from qspec_ext.drafting import ChainDrafting
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from helpers import OracleDrafter, oracle_decoder  # noqa: E402  (the tests' oracle: the continuation as drafts)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CLASSES = {"qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
@@ -60,39 +63,6 @@ def build_drafter(target: HFTarget, device, dtype) -> Eagle3Drafter:
         for p in drafter.parameters():
             p.normal_(0, 0.05)
     return drafter.to(device=device, dtype=dtype).eval()
-
-
-class OracleDrafter:
-    """Drafts the target's plain greedy continuation (every draft accepted); the inner drafter
-    still runs its prefill, so the step costs what a real drafter's would, minus the drafting."""
-
-    def __init__(self, drafter: Eagle3Drafter, continuations: list[list[int]], prompt_lengths: list[int]):
-        self.inner, self.config, self.fc = drafter, drafter.config, drafter.fc
-        self.continuations, self.lengths = continuations, prompt_lengths
-
-    def fc_norm_mode(self):
-        return self.inner.fc_norm_mode()
-
-    def setup(self, batch, length):
-        self.inner.setup(batch, length)
-
-    def prefill(self, *args, **kwargs):
-        return self.inner.prefill(*args, **kwargs)
-
-    def keep_requests(self, rows, lengths):
-        self.inner.keep_requests(rows, lengths)
-        self.continuations = [self.continuations[i] for i in rows]
-        self.lengths = [self.lengths[i] for i in rows]
-
-    def drafts(self, state, k):
-        newest = state.next_position.tolist()
-        rows = [(self.continuations[b] + [0] * 2 * k)[max(s + 1 - self.lengths[b], 0):][:k] for b, s in enumerate(newest)]
-        return torch.tensor(rows, device=self.fc.weight.device)
-
-
-class OracleDrafting(ChainDrafting):
-    def draft(self, state, penalty=None):
-        return self.drafter.drafts(state, self.k)
 
 
 def main() -> int:
@@ -145,9 +115,7 @@ def main() -> int:
             result = {}
             for name, d, split in runs:
                 target = HFTarget(model, split_mixers=split)
-                decoder = SpeculativeDecoder(target, d, args.k)
-                if d is oracle:
-                    decoder.drafting = OracleDrafting(oracle, args.k, check_bounds=False)
+                decoder = oracle_decoder(target, d, args.k) if d is oracle else SpeculativeDecoder(target, d, args.k)
                 spec, tps = timed(device, lambda: decoder.generate(prompts, n), args.repeat)
                 failed |= spec.tokens != plain.tokens
                 target.profile = True

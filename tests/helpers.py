@@ -87,7 +87,7 @@ class OracleDrafter:
                     row[i] = (token + 1 + self.rng.randrange(self.config.vocab_size - 1)) % self.config.vocab_size
             rows.append(row)
         self.calls.append([(max(s + 1 - self.lengths[b], 0), row) for b, (s, row) in enumerate(zip(newest, rows))])
-        return torch.tensor(rows)
+        return torch.tensor(rows, device=self.device)
 
 
 class OracleDrafting(ChainDrafting):
