@@ -96,9 +96,7 @@ class OracleDrafting(ChainDrafting):
 
 
 def oracle_decoder(target, oracle: OracleDrafter, k: int) -> SpeculativeDecoder:
-    decoder = SpeculativeDecoder(target, oracle, k)
-    decoder.drafting = OracleDrafting(oracle, k, check_bounds=False)
-    return decoder
+    return SpeculativeDecoder(target, oracle, k, drafting=OracleDrafting(oracle, k, check_bounds=False))
 
 
 def filtered_distribution(logits, temperature, top_k, top_p):

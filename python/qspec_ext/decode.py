@@ -21,7 +21,7 @@ import torch
 
 from .arguments import check_float, check_int, check_pair, check_prompts, check_sampling
 from .compiled import bucketed, check_compilable, compiled_method, compiled_step, compiling
-from .drafting import make_drafting
+from .drafting import Drafting, make_drafting
 from .drafting.tree import TreeDrafting
 from .models.eagle3 import DraftState
 from .sampling import apply_repetition_penalty, apply_top_k_top_p
@@ -365,19 +365,23 @@ class SpeculativeDecoder:
     ``topk = 1`` drafts a chain of ``num_speculative_tokens`` (one forward each, or one forward
     for all with a P-EAGLE drafter); ``topk > 1`` drafts an EAGLE-2 tree of that depth and
     verifies its ``num_draft_tokens`` best nodes (SGLang's steps / eagle topk / draft tokens).
+    ``drafting``: a strategy of your own (the :class:`~qspec_ext.drafting.Drafting` protocol) in
+    place of the one ``num_speculative_tokens`` / ``topk`` / ``num_draft_tokens`` choose, built
+    with ``check_bounds=False`` (the decoder sizes the cache once per call).
     ``compile``: each decode step runs as one static-shape graph (compiled.py), the prompt
     prefill eagerly, packed; the models themselves stay eager for other callers."""
 
     def __init__(self, target, drafter, num_speculative_tokens: int = 3, max_length: int | None = None,
-                 topk: int = 1, num_draft_tokens: int | None = None, compile: bool = False):
+                 topk: int = 1, num_draft_tokens: int | None = None, compile: bool = False,
+                 drafting: Drafting | None = None):
         check_int("SpeculativeDecoder", "num_speculative_tokens", num_speculative_tokens, 1, 32)
         if max_length is not None:
             check_int("SpeculativeDecoder", "max_length", max_length, 2)
         check_pair(target, drafter)
         self.target, self.drafter, self.k = target, drafter, num_speculative_tokens
         # The cache is sized for every step once per generate call: no per-step bounds checks.
-        self.drafting = make_drafting(target, drafter, num_speculative_tokens, topk, num_draft_tokens,
-                                      check_bounds=False)
+        self.drafting = drafting or make_drafting(target, drafter, num_speculative_tokens, topk, num_draft_tokens,
+                                                  check_bounds=False)
         self.max_length = max_length or target.config.max_position_embeddings
         self.compiled = compile
         self.step = self._step
