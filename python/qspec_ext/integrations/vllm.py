@@ -19,9 +19,11 @@ list of seam names, or ``all``). The seams:
   probabilities, synthetic acceptance.
 
 Where a seam's call does not fit (dtype, layout, device, scaling), vLLM's own code runs. ``CALLS``
-counts, per process, the calls each seam took (and the sampler's deferrals).
+counts, per process, the calls each seam took (and the sampler's deferrals); a process that
+installed seams logs them as it exits ("qspec_ext: seam calls in this process: ...").
 """
 
+import atexit
 import os
 from collections import Counter
 
@@ -94,6 +96,13 @@ def register() -> None:
             log.warning("qspec_ext: seam %s left stock: %s: %s", name, type(error).__name__, error)
     _state["seams"] = tuple(seams)
     log.info("qspec_ext: seams on: %s (%s=... turns them off)", ", ".join(seams) or "none", DISABLE_ENV)
+    if seams:
+        atexit.register(_log_calls)
+
+
+def _log_calls() -> None:
+    calls = ", ".join(f"{name} {count}" for name, count in sorted(CALLS.items())) or "none"
+    _logger().info("qspec_ext: seam calls in this process: %s", calls)
 
 
 def installed_seams() -> tuple[str, ...]:
