@@ -162,12 +162,11 @@ def train_part(part: str, config: TrainConfig, data: list[Path], shipped: Path, 
         if (work / "checkpoint.pt").is_file():
             lr = torch.load(work / "checkpoint.pt", weights_only=False, map_location="cpu")["config"].lr
         config = TrainConfig(**dict(vars(config), steps=config.steps - before["steps_done"], lr=lr))
-    curve = work / "curve"
 
-    def evaluate_and_keep(drafter) -> dict:
+    def evaluate_and_keep(drafter, step: int) -> dict:
         result = evaluate(drafter) if evaluate is not None else {}
-        step = len(list(curve.glob("step-*"))) if curve.is_dir() else 0
-        drafter.save_pretrained(curve / f"step-{step:03d}")  # a copy for the acceptance curve
+        overall = step + (before["steps_done"] if before is not None else 0)
+        drafter.save_pretrained(snapshot_dir(part, overall))  # a copy for the acceptance curve
         print(f"{part}: held-out {json.dumps(result)}", file=sys.stderr, flush=True)
         return result
 
@@ -176,6 +175,10 @@ def train_part(part: str, config: TrainConfig, data: list[Path], shipped: Path, 
     export(part, config, data, shipped, before)
     for name in ("checkpoint.pt", "before.json"):
         (work / name).unlink(missing_ok=True)
+
+
+def snapshot_dir(part: str, step: int) -> Path:
+    return WORK / part / "curve" / f"step-{step:05d}"
 
 
 def eval_steps(steps: int) -> set[int]:
@@ -223,15 +226,16 @@ def learning_curve(shipped: Path, per_category: int, steps: list[int] | None = N
 
     directory = target_dir("smollm2")
     record = json.loads((shipped / "draft" / "training.json").read_text())
-    snapshots = sorted((WORK / "chain" / "curve").glob("step-*"))
     target = load_target("smollm2", dtype=torch.bfloat16)
     stops = stop_ids(directory)
     prompts = {c: [chat_ids(directory, [{"role": "user", "content": r["prompt"]}])
                    for r in heldout_prompts(c)[:per_category]] for c in CATEGORIES}
-    rows = []
-    for snapshot, evaluation in zip(snapshots, record["evaluations"]):
-        if steps and evaluation["step"] not in steps:
+    rows, done = [], set()
+    for evaluation in record["evaluations"]:
+        snapshot = snapshot_dir("chain", evaluation["step"])
+        if (steps and evaluation["step"] not in steps) or not snapshot.is_dir() or evaluation["step"] in done:
             continue
+        done.add(evaluation["step"])
         drafter = Eagle3Drafter.from_pretrained(snapshot, dtype=torch.bfloat16, target=target)
         decoder = SpeculativeDecoder(target, drafter, 3)
         per = {}
@@ -243,7 +247,10 @@ def learning_curve(shipped: Path, per_category: int, steps: list[int] | None = N
                          kl=evaluation["kl"], acceptance_k3=1 + accepted / max(drafts, 1),
                          per_category={c: 1 + v[2] / max(v[1], 1) for c, v in per.items()}))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    (shipped / "learning_curve.json").write_text(json.dumps(rows, indent=1) + "\n")
+    path = shipped / "learning_curve.json"  # the rows measured before stay unless measured again
+    kept = {r["step"]: r for r in (json.loads(path.read_text()) if path.is_file() else [])}
+    rows = sorted({**kept, **{r["step"]: r for r in rows}}.values(), key=lambda r: r["step"])
+    path.write_text(json.dumps(rows, indent=1) + "\n")
     print(f"| step | answer tokens trained on | held-out accuracy, positions 1 / 2 / 3 | acceptance length, k = 3 "
           f"| {' | '.join(CATEGORIES)} |\n|---|---|---|---|{'---|' * len(CATEGORIES)}")
     for r in rows:

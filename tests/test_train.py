@@ -720,7 +720,7 @@ def test_a_packed_run_resumes_with_its_feature_cache_gone(tiny_target, tmp_path,
                          fc_norm=True, checkpoint_every=2)
     store = tiny_features(tiny_target, [(list(range(3, 40)), 10)])
 
-    def evaluate(drafter):
+    def evaluate(drafter, step):
         from qspec_ext.train import evaluate_ttt
 
         return evaluate_ttt(drafter, store, 2, length=64, batch_size=1)

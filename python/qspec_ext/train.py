@@ -677,8 +677,8 @@ def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: 
     while a checkpointed run is unfinished.
 
     ``init_from``: a drafter directory to start from (a warm start: its weights, a fresh optimizer
-    and schedule). ``evaluate(drafter) -> dict`` runs before each step in ``eval_steps`` and at the
-    end; its results, with the step and the trained rows seen so far, go to history.json's
+    and schedule). ``evaluate(drafter, step) -> dict`` runs before each step in ``eval_steps`` and at
+    the end (once per step, also across resumes); its results, with the step and the trained rows seen so far, go to history.json's
     "evaluations"."""
     check_train_config(config)
     keep_freed_memory()
@@ -785,7 +785,7 @@ def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: 
     def evaluated(step: int) -> None:
         if evaluate is not None and all(e["step"] != step for e in evaluations):
             drafter.eval()
-            evaluations.append(dict(step=step, rows_seen=rows_seen, **evaluate(drafter)))
+            evaluations.append(dict(step=step, rows_seen=rows_seen, **evaluate(drafter, step)))
             drafter.train()
 
     for step in bar:

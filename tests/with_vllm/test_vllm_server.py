@@ -1,16 +1,16 @@
 """Serving: vLLM's OpenAI server with the real pair (SmolLM2 and its shipped chain drafter, fp32) and
 the qspec_ext plugin answers an OpenAI client's chat requests, plain and streamed, with the text
-qspec_ext's own greedy decode gives; the plugin's seams ran in the server, and /metrics counts the
-drafts. Run in the vLLM venv."""
+qspec_ext's own greedy decode gives; the plugin's seams ran in the server (its log says so), and
+/metrics counts the drafts. Run in the vLLM venv."""
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
-from collections import Counter
 
 import pytest
 
@@ -97,17 +97,7 @@ def test_the_server_answers_an_openai_client_as_qspec_ext_decodes(server):
                    if line.startswith("vllm:spec_decode_num_accepted_tokens_total"))
     assert drafts > 0 and accepted > 0, [line for line in metrics.splitlines() if "spec_decode" in line]
 
-    server["process"].terminate()
-    server["process"].wait(timeout=120)
     log = server["log"].read_text()
     assert "qspec_ext: seams on: rms_norm, rope, qk_norm_rope, aux_gather, rejection_sampler" in log, log[-4000:]
-    calls = [line.split("seam calls in this process: ")[1] for line in log.splitlines()
-             if "seam calls in this process: " in line]
-    assert calls, log[-4000:]
-    ran = Counter()  # summed over the server's processes
-    for entry in calls:
-        for part in entry.split(", "):
-            name, _, count = part.rpartition(" ")
-            ran[name] += int(count) if count.isdigit() else 0
-    for seam in ("rms_norm", "rope", "aux_gather", "rejection_sampler"):
-        assert ran.get(seam, 0) > 0, (seam, calls)
+    ran = set(re.findall(r"qspec_ext: seam (\w+) ran", log))
+    assert {"rms_norm", "rope", "aux_gather", "rejection_sampler"} <= ran, ran  # qk_norm_rope: Qwen3 targets

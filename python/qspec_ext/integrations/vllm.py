@@ -19,11 +19,10 @@ list of seam names, or ``all``). The seams:
   probabilities, synthetic acceptance.
 
 Where a seam's call does not fit (dtype, layout, device, scaling), vLLM's own code runs. ``CALLS``
-counts, per process, the calls each seam took (and the sampler's deferrals); a process that
-installed seams logs them as it exits ("qspec_ext: seam calls in this process: ...").
+counts, per process, the calls each seam took (and the sampler's deferrals); the first call of
+each seam in a process is logged ("qspec_ext: seam rope ran"), so a server's log shows which ran.
 """
 
-import atexit
 import os
 from collections import Counter
 
@@ -96,13 +95,12 @@ def register() -> None:
             log.warning("qspec_ext: seam %s left stock: %s: %s", name, type(error).__name__, error)
     _state["seams"] = tuple(seams)
     log.info("qspec_ext: seams on: %s (%s=... turns them off)", ", ".join(seams) or "none", DISABLE_ENV)
-    if seams:
-        atexit.register(_log_calls)
 
 
-def _log_calls() -> None:
-    calls = ", ".join(f"{name} {count}" for name, count in sorted(CALLS.items())) or "none"
-    _logger().info("qspec_ext: seam calls in this process: %s", calls)
+def _took(name: str) -> None:
+    CALLS[name] += 1
+    if CALLS[name] == 1 and not torch.compiler.is_compiling():
+        _logger().info("qspec_ext: seam %s ran (its first call in this process)", name)
 
 
 def installed_seams() -> tuple[str, ...]:
@@ -140,13 +138,13 @@ def _install_rms_norm() -> None:
 
     @ir.ops.rms_norm.register_impl(PROVIDER, supports_args=fits)
     def rms_norm(x: Tensor, weight: Tensor | None, epsilon: float, variance_size: int | None = None) -> Tensor:
-        CALLS["rms_norm"] += 1
+        _took("rms_norm")
         return ops.rms_norm(x, weight, epsilon)
 
     @ir.ops.fused_add_rms_norm.register_impl(PROVIDER, supports_args=fits_add, inplace=True)
     def fused_add_rms_norm(x: Tensor, x_residual: Tensor, weight: Tensor | None, epsilon: float,
                            variance_size: int | None = None) -> tuple[Tensor, Tensor]:
-        CALLS["fused_add_rms_norm"] += 1
+        _took("fused_add_rms_norm")
         ops.fused_add_rms_norm_(x, x_residual, weight, epsilon)
         return x, x_residual
 
@@ -202,7 +200,7 @@ def _install_rope() -> None:
             heads_q, heads_kv = query.shape[-1] // head_dim, (0 if key is None else key.shape[-1] // head_dim)
             if qkv is None or not _rope_fits(self, positions, qkv, heads_q, heads_kv):
                 return stock(self, positions, query, key)
-            CALLS["rope"] += 1
+            _took("rope")
             ops.qk_norm_rope_(qkv, None, None, self._match_cos_sin_cache_dtype(query), positions, heads_q, heads_kv,
                               head_dim, 1e-6, self.is_neox_style)
             return query, key
@@ -247,7 +245,7 @@ def _install_qk_norm_rope() -> None:
             k = k_norm(k.view(*k.shape[:-1], -1, self.head_dim)).view(k.shape)
             q, k = rope(positions, q, k)
         else:
-            CALLS["qk_norm_rope"] += 1
+            _took("qk_norm_rope")
             ops.qk_norm_rope_(qkv, q_norm.weight, k_norm.weight, rope._match_cos_sin_cache_dtype(qkv), positions,
                               self.num_heads, self.num_kv_heads, self.head_dim, q_norm.variance_epsilon,
                               rope.is_neox_style)
@@ -288,7 +286,7 @@ def _install_aux_gather() -> None:
                     and (mode == "norm_before_fc" or all(n.variance_epsilon == eps for n in fc_norm)))
             if not fits:
                 return stock(self, hidden_states)
-            CALLS["aux_gather"] += 1
+            _took("aux_gather")
             rows = torch.arange(hidden_states.shape[0], device=hidden_states.device)
             fc_input = ops.gather_aux_hidden(hidden_states.chunk(count, dim=-1), rows, None, mode, norm_weight, eps)
             return model.fc(fc_input)
@@ -352,7 +350,7 @@ def _install_rejection_sampler() -> None:
                 CALLS["rejection_sampler_deferred"] += 1
                 CALLS[f"rejection_sampler_deferred:{reason}"] += 1
                 return super().forward(metadata, draft_probs, logits, sampling_metadata)
-            CALLS["rejection_sampler"] += 1
+            _took("rejection_sampler")
             device = logits.device
             batch, k = len(metadata.num_draft_tokens), metadata.max_spec_len
             ends = metadata.cu_num_draft_tokens.long()  # on the device already: no host-to-device copy
