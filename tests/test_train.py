@@ -769,10 +769,11 @@ def test_cod_nodes_nest_and_keep_the_configured_fraction_per_depth():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_training_keeps_freed_memory_instead_of_faulting_it_in_again():
-    """A freed 128 MB block comes back from the heap: touching it again does not page-fault it in."""
+    """A freed 128 MB block comes back from the heap: touching it again does not page-fault it in;
+    release_freed_memory hands the free pages back to the OS."""
     script = textwrap.dedent("""
         import resource, torch
-        from qspec_ext.train import keep_freed_memory
+        from qspec_ext.train import keep_freed_memory, release_freed_memory
 
         def faults_per_block():
             before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -780,15 +781,22 @@ def test_training_keeps_freed_memory_instead_of_faulting_it_in_again():
                 torch.empty(32 << 20).fill_(1.0)  # 128 MB, freed at once
             return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 4
 
+        def resident_mb():
+            return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize() / 2**20
+
         faults_per_block()
         default = faults_per_block()
         assert keep_freed_memory()
         faults_per_block()
-        print(default, faults_per_block())
+        kept = faults_per_block()
+        held = resident_mb()
+        release_freed_memory()
+        print(default, kept, held - resident_mb())
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-2000:]
-    default, kept = map(float, proc.stdout.split())
+    default, kept, released_mb = map(float, proc.stdout.split())
     # 128 MB: 32768 pages of 4 KB (64 of 2 MB with transparent huge pages), each faulted in by default
     assert default >= 64 and kept * 10 < default, (default, kept)
+    assert released_mb >= 100, released_mb

@@ -660,13 +660,32 @@ def keep_freed_memory() -> bool:
     glibc hands every block over 32 MB back to the OS when it is freed, so each training step's
     large temporaries page-fault again, zeroed, on first touch: on 2 cores a step spent a third of
     its time in the kernel and ran at half speed (3.7 s against 1.85 s, SmolLM2's chain drafter).
-    The cost is a resident size at the run's peak."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
+    Kept, the free blocks fragment and the heap grows (9 MB a step there: 23 GB after 1400 steps)
+    unless :func:`release_freed_memory` runs now and then."""
+    libc = _libc()
+    if libc is None:
         return False
     m_trim_threshold, m_mmap_max = -1, -4  # glibc's mallopt parameters
     return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
+
+
+def release_freed_memory() -> None:
+    """Returns the heap's free pages to the OS (glibc's malloc_trim): measured on the run above,
+    9.2 GB anonymous memory down to 3.2, the step's working set faulted in again once."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+def _libc():
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+    return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+
+
+RELEASE_EVERY = 25  # steps between release_freed_memory calls
 
 
 def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: str = "cpu", progress: bool = True,
@@ -806,6 +825,8 @@ def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: 
         schedule.step()
         history.append((float(loss.detach()), accuracies.tolist()))
         bar.set_postfix(loss=f"{history[-1][0]:.3f}", acc=" ".join(f"{a:.2f}" for a in history[-1][1]))
+        if (step + 1) % RELEASE_EVERY == 0:
+            release_freed_memory()
         if config.checkpoint_every is not None and (step + 1) % config.checkpoint_every == 0 and step + 1 < config.steps:
             Path(out_dir).mkdir(parents=True, exist_ok=True)
             partial_file = checkpoint.with_suffix(".tmp")
