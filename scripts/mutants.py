@@ -499,6 +499,10 @@ MUTANTS = [
     Mutant("rope_table_rebuilt_at_every_setup", LAYERS,
            "if existing is not None and existing.shape[0] == max_length", "if False",
            ("tests/test_compiled.py::test_setup_keeps_the_rope_tables_and_caches_that_fit",)),
+    Mutant("freed_memory_never_released", TRAIN, "        libc.malloc_trim(0)", "        pass",
+           (TR + "test_training_keeps_freed_memory_instead_of_faulting_it_in_again",)),
+    Mutant("freed_memory_not_kept", TRAIN, "libc.mallopt(m_mmap_max, 0)", "libc.mallopt(m_mmap_max, 65536)",
+           (TR + "test_training_keeps_freed_memory_instead_of_faulting_it_in_again",)),
 ]
 
 # Loaded into every pytest run (-p): records which qspec_ext (and _C) the tests really imported.
