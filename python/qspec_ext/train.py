@@ -22,7 +22,7 @@ import random
 import time
 from collections import Counter
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 
 import torch
@@ -677,6 +677,7 @@ def release_freed_memory() -> None:
         libc.malloc_trim(0)
 
 
+@cache
 def _libc():
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -697,7 +698,8 @@ def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: 
 
     ``init_from``: a drafter directory to start from (a warm start: its weights, a fresh optimizer
     and schedule). ``evaluate(drafter, step) -> dict`` runs before each step in ``eval_steps`` and at
-    the end (once per step, also across resumes); its results, with the step and the trained rows seen so far, go to history.json's
+    the end (once per step, also across resumes); its results, with the step and the trained rows
+    seen so far, go to history.json's
     "evaluations"."""
     check_train_config(config)
     keep_freed_memory()

@@ -59,7 +59,7 @@ def server(tmp_path_factory):
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         wait_until_up(process, f"http://127.0.0.1:{port}/health", log)
-        yield {"url": f"http://127.0.0.1:{port}", "log": log, "process": process, "target": target, "draft": draft}
+        yield {"url": f"http://127.0.0.1:{port}", "log": log, "target": target, "draft": draft}
     finally:
         if process.poll() is None:
             process.terminate()
