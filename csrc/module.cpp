@@ -15,4 +15,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("cpu_avx512", &qspec_ext::cpu_avx512,
         "Whether fp32 cached_attention with >= 8 queries per KV head runs AVX-512 query lanes on this CPU "
         "(QSPEC_CPU_AVX512=0: never)");
+  m.def("cpu_amx", &qspec_ext::cpu_amx,
+        "Whether bf16 packed_linear runs AMX tiles on this CPU (QSPEC_CPU_AMX=0 or QSPEC_CPU_BF16_DOT=0: never)");
 }

@@ -89,5 +89,8 @@ bool cpu_bf16_dot();  // csrc/cpu/packed_linear.cpp
 // Whether this CPU has AVX-512 (F, BW, VL) and QSPEC_CPU_AVX512 is not 0: cached_attention's fp32
 // query-lane kernel asks it.
 bool cpu_avx512();  // csrc/cpu/packed_linear.cpp
+// Whether bf16 packed_linear runs AMX tiles on this CPU: AMX-BF16 and AVX512-BF16, the kernel's leave
+// to use AMX, neither QSPEC_CPU_AMX nor QSPEC_CPU_BF16_DOT at 0.
+bool cpu_amx();  // csrc/cpu/packed_linear.cpp
 
 }  // namespace qspec_ext

@@ -128,13 +128,16 @@ def test_packed_linear_rejects_bad_input(bad, match):
 
 @pytest.mark.parametrize("dtype,switch,feature,fast,other", [
     ("bfloat16", "QSPEC_CPU_BF16_DOT", "cpu_bf16_dot", "dot", "widened"),
+    ("bfloat16", "QSPEC_CPU_AMX", "cpu_amx", "amx", "no-amx"),
     ("float32", "QSPEC_CPU_AVX512", "cpu_avx512", "fma", "8-lane"),
 ])
 def test_both_kernels_of_a_dtype_match_the_reference(dtype, switch, feature, fast, other):
-    """bf16 runs AVX512-BF16 dot products where the CPU has them, fp32 AVX-512 FMA tiles (8 rows,
-    even and odd inputs) where it has AVX-512; a child process with the switch at 0 checks the
-    other kernel (bf16 pairs widened, 8-lane fp32 tiles) too, on any CPU: tiles and their tails,
-    odd in_features, a last panel of 16 and of 8 columns."""
+    """bf16 runs AMX tiles where the CPU has them, else AVX512-BF16 dot products where it has those,
+    fp32 AVX-512 FMA tiles (8 rows, even and odd inputs) where it has AVX-512; a child process with
+    the switch at 0 checks the next kernel (AVX512-BF16 dots, bf16 pairs widened, 8-lane fp32 tiles)
+    too, on any CPU: tiles and their tails, odd in_features, inputs past whole AMX chunks, a last
+    panel of 16 and of 8 columns. Each row's result is the same bits whether computed alone or with
+    the others (a verify step's rows then equal a plain step's)."""
     script = textwrap.dedent("""
         import torch, qspec_ext
         from qspec_ext import ops, reference
@@ -142,10 +145,13 @@ def test_both_kernels_of_a_dtype_match_the_reference(dtype, switch, feature, fas
         torch.manual_seed(0)
         dtype = getattr(torch, %r)
         tolerance = dict(atol=3e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
-        for rows, in_features, out_features in [(1, 46, 80), (5, 47, 72), (17, 64, 80), (3, 1, 16)]:
+        for rows, in_features, out_features in [(1, 46, 80), (5, 47, 72), (17, 64, 80), (3, 1, 16), (20, 130, 48),
+                                                (4, 96, 32)]:
             weight, x = torch.randn(out_features, in_features).to(dtype), torch.randn(rows, in_features).to(dtype)
-            got = ops.packed_linear(x, pack_weight(weight), out_features).float()
-            torch.testing.assert_close(got, reference.packed_linear(x, weight).float(), **tolerance)
+            got = ops.packed_linear(x, pack_weight(weight), out_features)
+            torch.testing.assert_close(got.float(), reference.packed_linear(x, weight).float(), **tolerance)
+            alone = torch.cat([ops.packed_linear(x[i:i + 1], pack_weight(weight), out_features) for i in range(rows)])
+            assert torch.equal(alone, got), (rows, in_features, out_features)
         print(%r if qspec_ext.build_info()[%r] else %r)
     """ % (dtype, fast, feature, other))
     for setting in ("0", "1"):

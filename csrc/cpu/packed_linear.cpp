@@ -5,9 +5,13 @@
 // tokens, a few rows) streams each panel once, contiguously, and every weight it loads serves all the
 // tile's rows. fp32 accumulation, the output in the input's dtype. fp32: AVX-512 FMAs where the CPU
 // has them (QSPEC_CPU_AVX512=0 turns them off), else 8-lane multiplies and adds. bf16: on a CPU
-// with AVX512-BF16, vdpbf16ps on the bf16 rows (two multiply-adds per lane and instruction); elsewhere the pairs are
-// widened to fp32 in registers (half of fp32's bytes streamed on any x86 CPU). CPU only: on CUDA the
-// projections run cuBLAS on the weight as stored.
+// with AMX, tiles of 16 rows x 32 inputs times 32 inputs x 16 columns (tdpbf16ps: the packed panel
+// is already the tile's layout, 16 pairs of a panel one 1 KB tile), so that a few rows cost what one
+// does (the weights' bytes bound both); with AVX512-BF16 only, vdpbf16ps on the bf16 rows (two
+// multiply-adds per lane and instruction); elsewhere the pairs are widened to fp32 in registers (half
+// of fp32's bytes streamed on any x86 CPU). A row's result never depends on the other rows (the
+// same sums in the same order whatever the row count), so a verify step's rows equal a plain
+// step's. CPU only: on CUDA the projections run cuBLAS on the weight as stored.
 //
 // Why not oneDNN's packed weights (mkldnn::_reorder_linear_weight + _linear_pointwise, what this op
 // called before): on a CPU without AVX-512 oneDNN keeps the plain layout and has no bf16 kernels, and
@@ -19,6 +23,10 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
+
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -214,6 +222,99 @@ void panel_rows(const uint16_t* x, int64_t x_stride, const uint16_t* packed, int
   panel_rows_impl<DotTiles>(x, x_stride, packed, K, N, p, row, rows, out);
 }
 
+// AMX tiles (tdpbf16ps) on bf16 rows, a work item of up to kAmxRows rows at a time. The tiles
+// (ldtilecfg: palette 1) are tmm0 / tmm1 the two accumulators (rows x 16 fp32), tmm2 / tmm3 the
+// rows' 32 inputs (rows x 16 pairs), tmm4 / tmm5 a panel's 16 pairs (16 x 16 columns x a pair):
+// two chunks of 32 inputs in flight. Inputs past the whole chunks (K % 32) are added with vdpbf16ps.
+constexpr int64_t kAmxRows = 16;
+constexpr int64_t kAmxPairs = 16;  // input pairs per chunk: a tile row of bf16 x is 64 bytes
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+static_assert(sizeof(TileConfig) == 64);
+
+#define QSPEC_TARGET_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+
+QSPEC_TARGET_AMX void configure_tiles(int64_t rows) {
+  TileConfig config;
+  for (int tile : {0, 1}) config.rows[tile] = rows, config.bytes_per_row[tile] = kPanel * sizeof(float);
+  for (int tile : {2, 3}) config.rows[tile] = rows, config.bytes_per_row[tile] = kAmxPairs * 4;
+  for (int tile : {4, 5}) config.rows[tile] = kAmxPairs, config.bytes_per_row[tile] = kPanel * 4;
+  asm volatile("ldtilecfg %0" ::"m"(config));  // the whole struct as the operand (the intrinsic names 8 bytes)
+}
+
+QSPEC_TARGET_AMX void release_tiles() { _tile_release(); }
+
+// Rows [row, row + rows) (rows <= kAmxRows, the tiles configured for them) x the columns of panel p.
+QSPEC_TARGET_AMX void amx_panel_rows(const uint16_t* x, int64_t x_stride, const uint16_t* packed, int64_t K,
+                                     int64_t N, int64_t p, int64_t row, int64_t rows, c10::BFloat16* out) {
+  const int64_t pairs = K / 2, panel_size = (K + 1) / 2 * 2 * kPanel;
+  const uint16_t* panel = packed + p * panel_size;
+  const uint16_t* ahead = panel + panel_size;  // the next panel, fetched while this one computes
+  const uint16_t* rows_x = x + row * x_stride;
+  const int64_t x_bytes = x_stride * static_cast<int64_t>(sizeof(uint16_t));
+  constexpr int64_t kChunk = kAmxPairs * 2 * kPanel;  // a chunk's weights: 16 pairs x 16 columns x 2
+  const int64_t chunks = pairs / kAmxPairs;
+  _tile_zero(0);
+  _tile_zero(1);
+  int64_t c = 0;
+  for (; c + 2 <= chunks; c += 2) {
+    _tile_loadd(2, rows_x + c * 2 * kAmxPairs, x_bytes);
+    _tile_loadd(4, panel + c * kChunk, 64);
+    _tile_loadd(3, rows_x + (c + 1) * 2 * kAmxPairs, x_bytes);
+    _tile_loadd(5, panel + (c + 1) * kChunk, 64);
+    for (int64_t line = 0; line < 2 * kChunk; line += 32) __builtin_prefetch(ahead + c * kChunk + line, 0, 1);
+    _tile_dpbf16ps(0, 2, 4);
+    _tile_dpbf16ps(1, 3, 5);
+  }
+  if (c < chunks) {
+    _tile_loadd(2, rows_x + c * 2 * kAmxPairs, x_bytes);
+    _tile_loadd(4, panel + c * kChunk, 64);
+    for (int64_t line = 0; line < kChunk; line += 32) __builtin_prefetch(ahead + c * kChunk + line, 0, 1);
+    _tile_dpbf16ps(0, 2, 4);
+  }
+  alignas(64) float sums[2][kAmxRows][kPanel];
+  _tile_stored(0, sums[0], kPanel * sizeof(float));
+  _tile_stored(1, sums[1], kPanel * sizeof(float));
+  const int64_t columns = std::min(kPanel, N - p * kPanel);
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* xr = rows_x + r * x_stride;
+    __m512 acc = _mm512_add_ps(_mm512_load_ps(sums[0][r]), _mm512_load_ps(sums[1][r]));
+    for (int64_t j = chunks * kAmxPairs; j < pairs; ++j)
+      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(pair_at(xr + 2 * j)),
+                             (__m512bh)_mm512_loadu_si512(panel + j * 2 * kPanel));
+    if (K % 2) {  // an odd K: its last input and a zero
+      const uint32_t last = xr[K - 1];
+      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(static_cast<int>(last)),
+                             (__m512bh)_mm512_loadu_si512(panel + pairs * 2 * kPanel));
+    }
+    float sum[kPanel];
+    _mm512_storeu_ps(sum, acc);
+    c10::BFloat16* dst = out + (row + r) * N + p * kPanel;
+    for (int64_t col = 0; col < columns; ++col) dst[col] = static_cast<c10::BFloat16>(sum[col]);
+  }
+}
+
+// out = x @ the packed weight on AMX tiles: work items (panel, block of kAmxRows rows), panel-major.
+void amx_gemm(const uint16_t* x, int64_t x_stride, const uint16_t* packed, int64_t M, int64_t K, int64_t N,
+              c10::BFloat16* out) {
+  const int64_t panels = (N + kPanel - 1) / kPanel, row_blocks = (M + kAmxRows - 1) / kAmxRows;
+  at::parallel_for(0, panels * row_blocks, grain_for(std::min(M, kAmxRows) * K * kPanel), [&](int64_t first,
+                                                                                              int64_t last) {
+    int64_t configured = 0;  // the rows the tiles are configured for (per thread: configure on first use)
+    for (int64_t item = first; item < last; ++item) {
+      const int64_t row = (item % row_blocks) * kAmxRows;
+      const int64_t rows = std::min(kAmxRows, M - row);
+      if (rows != configured) configure_tiles(configured = rows);
+      amx_panel_rows(x, x_stride, packed, K, N, item / row_blocks, row, rows, out);
+    }
+    release_tiles();
+  });
+}
+
 // Register tiles of AVX-512 FMAs on fp32 panels, as Fp32Tiles with a whole panel per register: each
 // row's value broadcast into one FMA per input, 8 rows. (Fp32Tiles issue a multiply and an add per 8
 // columns: on AVX-512 their instruction count, not the arithmetic, bounded them.)
@@ -268,6 +369,17 @@ bool cpu_has_avx512_f_bw_vl() {
 }
 #endif
 
+#if QSPEC_BF16_DOT
+// AMX-TILE and AMX-BF16 on this CPU (CPUID leaf 7: EDX bits 24 and 22), and the kernel's leave to
+// use their registers in this process (Linux asks a process to request it).
+bool cpu_has_usable_amx_bf16() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !(edx >> 24 & 1) || !(edx >> 22 & 1)) return false;
+  constexpr long kArchRequestXcompPermission = 0x1023, kXfeatureTileData = 18;
+  return syscall(SYS_arch_prctl, kArchRequestXcompPermission, kXfeatureTileData) == 0;
+}
+#endif
+
 // AVX-512 (F, BW, VL) on this CPU, unless QSPEC_CPU_AVX512=0.
 bool detect_avx512() {
 #if QSPEC_BF16_DOT
@@ -281,6 +393,15 @@ bool detect_avx512() {
 bool detect_bf16_dot() {
 #if QSPEC_BF16_DOT
   return !turned_off("QSPEC_CPU_BF16_DOT") && cpu_has_avx512_f_bw_vl() && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+// AMX (and AVX512-BF16) on this CPU, unless QSPEC_CPU_AMX=0 or QSPEC_CPU_BF16_DOT=0.
+bool detect_amx() {
+#if QSPEC_BF16_DOT
+  return !turned_off("QSPEC_CPU_AMX") && detect_bf16_dot() && cpu_has_usable_amx_bf16();
 #else
   return false;
 #endif
@@ -311,6 +432,7 @@ void packed_gemm(const X* x, int64_t x_stride, const W* packed, int64_t M, int64
 
 const bool kBf16Dot = detect_bf16_dot();
 const bool kAvx512 = detect_avx512();
+const bool kAmx = detect_amx();
 
 at::Tensor packed_linear_cpu(const at::Tensor& input, const at::Tensor& packed_weight, int64_t out_features) {
   QSPEC_CHECK(input.dim() == 2, kOp, "input", "must be 2-D [rows, in_features], got ", input.dim(), "-D ",
@@ -338,6 +460,12 @@ at::Tensor packed_linear_cpu(const at::Tensor& input, const at::Tensor& packed_w
 #if QSPEC_BF16_DOT
   if (input.scalar_type() == at::kBFloat16 && kBf16Dot) {
     const at::Tensor x = input.stride(1) == 1 ? input : input.contiguous();
+    if (kAmx) {
+      amx_gemm(reinterpret_cast<const uint16_t*>(x.const_data_ptr<c10::BFloat16>()), x.stride(0),
+               reinterpret_cast<const uint16_t*>(packed_weight.const_data_ptr<c10::BFloat16>()), M, K, N,
+               out.mutable_data_ptr<c10::BFloat16>());
+      return out;
+    }
     packed_gemm(reinterpret_cast<const uint16_t*>(x.const_data_ptr<c10::BFloat16>()), x.stride(0),
                 reinterpret_cast<const uint16_t*>(packed_weight.const_data_ptr<c10::BFloat16>()), M, K, N,
                 out.mutable_data_ptr<c10::BFloat16>());
@@ -361,5 +489,6 @@ TORCH_LIBRARY_IMPL(qspec_ext, CPU, m) { m.impl("packed_linear", &packed_linear_c
 
 bool cpu_bf16_dot() { return kBf16Dot; }
 bool cpu_avx512() { return kAvx512; }
+bool cpu_amx() { return kAmx; }
 
 }  // namespace qspec_ext

@@ -88,7 +88,8 @@ __all__ = [
 def build_info() -> dict:
     """What this installation was built with (package version, torch versions, CUDA archs) and what
     its CPU kernels use here (``cpu_bf16_dot``: AVX512-BF16 in bf16 ``packed_linear`` and
-    ``cached_attention``; ``cpu_avx512``: AVX-512 in fp32 ``cached_attention``)."""
+    ``cached_attention``; ``cpu_amx``: AMX tiles in bf16 ``packed_linear``; ``cpu_avx512``: AVX-512 in
+    fp32 ``cached_attention``)."""
     return {
         "version": _C.version,
         "torch_version": torch.__version__,
@@ -97,5 +98,6 @@ def build_info() -> dict:
         "cuda_archs": [a for a in _C.cuda_archs.split(",") if a],
         "cuda_available": torch.cuda.is_available(),
         "cpu_bf16_dot": _C.cpu_bf16_dot(),
+        "cpu_amx": _C.cpu_amx(),
         "cpu_avx512": _C.cpu_avx512(),
     }
