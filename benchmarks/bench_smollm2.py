@@ -4,7 +4,7 @@
     python benchmarks/bench_smollm2.py acceptance [-k 1 3 5 7] [--per-category 21] [--max-new-tokens 128]
         [--greedy-only] [--drafters DIR ...] [--dtypes bf16]   # the first of --dtypes (default fp32)
     python benchmarks/bench_smollm2.py speed [--batch 1 4] [--prompts 8] [--rounds 3] [-k 3 5]
-        [--drafting chain parallel tree --topk 2] [--dtypes fp32 bf16]
+        [--drafting chain parallel tree --topk 2] [--dtypes fp32 bf16] [--modes eager compiled]
     python benchmarks/bench_smollm2.py memory [--dtypes fp32 bf16] [--batch 1 4] [--prompts 8] [-k 3]
     (all: [--drafting chain parallel] [--json PATH])
 
@@ -13,7 +13,7 @@ by category and k, greedy and sampled at the seed card's settings (temperature 0
 top-k 20), each category's prompts decoded together (acceptance does not depend on batching).
 
 speed: tokens/s of plain decoding (each of --dtypes, eager and compiled) and speculative decoding
-(each of --dtypes, eager, each k), greedy, chat prompts through the template, stopping at the end of the turn,
+(each of --dtypes, each of --modes (default eager), each k), greedy, chat prompts through the template, stopping at the end of the turn,
 one process, the configurations interleaved round by round (A B C ... A B C ...): medians with the
 spread; each speed-up is the median of its rounds' ratios, against plain decoding in the same dtype
 and mode and against the fastest plain configuration of that round.
@@ -105,10 +105,11 @@ def speed(args) -> list[dict]:
         for drafting in args.drafting:
             drafter = chain if drafting in ("chain", "tree") else load_pair(
                 "smollm2", drafter_dir("smollm2", parallel=True), dtype=dtype)[1]
-            for k in args.k:
-                decoder = SpeculativeDecoder(target, drafter, k, topk=args.topk if drafting == "tree" else 1)
+            for k, mode in itertools.product(args.k, args.modes):
+                decoder = SpeculativeDecoder(target, drafter, k, topk=args.topk if drafting == "tree" else 1,
+                                             compile=mode == "compiled")
                 name = f"tree k={k} topk={args.topk}" if drafting == "tree" else f"{drafting} k={k}"
-                configs[f"{name} {dtype} eager"] = (dtype, False, lambda p, d=decoder: d.generate(
+                configs[f"{name} {dtype} {mode}"] = (dtype, mode == "compiled", lambda p, d=decoder: d.generate(
                     p, args.max_new_tokens, eos_token_id=stops))
     last = list(configs)[-1]
     rows = []
@@ -217,6 +218,8 @@ def parse_args():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--dtypes", nargs="+", choices=["fp32", "bf16"], default=["fp32", "bf16"])
+    parser.add_argument("--modes", nargs="+", choices=["eager", "compiled"], default=["eager"],
+                        help="speed: the speculative configurations' modes (plain decoding runs both)")
     parser.add_argument("--drafters", type=Path, nargs="+", default=[], metavar="DIR",
                         help="acceptance: the drafters in these directories (draft/ and draft-parallel/, as "
                              "scripts/train_smollm2.py --out writes them), one after another in this process; "
