@@ -1,7 +1,10 @@
 """Helpers shared by several test files: the tiny Qwen3 target and drafter the decode tests use,
-the prompts, an oracle drafter, the sampling laws and the chi-square test."""
+the prompts, an oracle drafter, the sampling laws and the chi-square test, child processes."""
 
+import os
 import random
+import subprocess
+import sys
 from collections import Counter
 
 import torch
@@ -171,3 +174,15 @@ def draft(drafter, state, k: int, return_probs: bool = False):
     (chain or P-EAGLE), and the distributions ``[B, k, Vd]`` they come from if asked."""
     logits = (ParallelDrafting if drafter.config.parallel_drafting else ChainDrafting)(drafter, k).logits(state)
     return drafter.draft_to_target(logits.argmax(dim=-1)), torch.softmax(logits, dim=-1) if return_probs else None
+
+
+def run_children(script: str, settings: list[dict[str, str]], timeout: float = 300) -> list[subprocess.CompletedProcess]:
+    """``python -c script`` once per environment setting (added to this one), all at once: most of
+    a child's time is importing torch, and the machine has cores to spare for it."""
+    children = [subprocess.Popen([sys.executable, "-c", script], env={**os.environ, **setting}, text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE) for setting in settings]
+    done = []
+    for child in children:
+        stdout, stderr = child.communicate(timeout=timeout)
+        done.append(subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr))
+    return done

@@ -3,13 +3,12 @@ windows, draft trees, padding, dtypes, key splits), that they read only the slot
 opcheck, compile, and bad input."""
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 from conftest import assert_close
+from helpers import run_children
 
 from qspec_ext import ops, reference
 
@@ -172,9 +171,7 @@ def test_both_cpu_kernels_match_the_reference(dtype, switch):
                                        **ATTENTION_TOLERANCES[dtype])
         print("ok")
     """ % (os.path.dirname(__file__), str(dtype).removeprefix("torch.")))
-    for setting in ("0", "1"):
-        env = {**os.environ, switch: setting}
-        run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    for run in run_children(script, [{switch: "0"}, {switch: "1"}]):
         assert run.returncode == 0 and run.stdout.split()[-1] == "ok", run.stderr
 
 

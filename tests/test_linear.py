@@ -1,14 +1,12 @@
 """The projections' CPU inference path (weights packed in panels, ops.packed_linear) against F.linear
 on the weight and the float64 reference."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import run_children
 from torch._inductor.utils import run_and_get_code
 
 import qspec_ext
@@ -154,9 +152,7 @@ def test_both_kernels_of_a_dtype_match_the_reference(dtype, switch, feature, fas
             assert torch.equal(alone, got), (rows, in_features, out_features)
         print(%r if qspec_ext.build_info()[%r] else %r)
     """ % (dtype, fast, feature, other))
-    for setting in ("0", "1"):
-        env = {**os.environ, switch: setting}
-        run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    for setting, run in zip(("0", "1"), run_children(script, [{switch: "0"}, {switch: "1"}])):
         assert run.returncode == 0, run.stderr
         expected = other if setting == "0" else (fast if qspec_ext.build_info()[feature] else other)
         assert run.stdout.split()[-1] == expected

@@ -18,6 +18,7 @@ import ctypes
 import dataclasses
 import json
 import math
+import os
 import random
 import time
 from collections import Counter
@@ -603,8 +604,9 @@ def _target_features(target, sequences, draft_ids, path: Path | None, progress: 
         store = capture(sequences, draft_ids)
     if keep:
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(dict(store.state(), draft_ids=draft_ids.cpu()), path.with_suffix(".tmp"))
-        path.with_suffix(".tmp").replace(path)
+        partial_file = path.with_suffix(f".{os.getpid()}.tmp")  # two processes may build the same cache
+        torch.save(dict(store.state(), draft_ids=draft_ids.cpu()), partial_file)
+        partial_file.replace(path)
         manifest = dict(records=len(sequences), tokens=len(tokens), trained_rows=int(trained.sum()),
                         draft_vocab=len(draft_ids), feature_width=int(store.features.shape[1]),
                         label_top_k=int(store.label_index.shape[1]), written=time.strftime("%Y-%m-%d %H:%M:%S"))
