@@ -10,8 +10,9 @@
 // does (the weights' bytes bound both); with AVX512-BF16 only, vdpbf16ps on the bf16 rows (two
 // multiply-adds per lane and instruction); elsewhere the pairs are widened to fp32 in registers (half
 // of fp32's bytes streamed on any x86 CPU). A row's result never depends on the other rows (the
-// same sums in the same order whatever the row count), so a verify step's rows equal a plain
-// step's. CPU only: on CUDA the projections run cuBLAS on the weight as stored.
+// same sums in the same order whatever the row count): a projection gives a token the same bits in
+// a verify step as in a plain one. CPU only: on CUDA the projections run cuBLAS on the weight as
+// stored.
 //
 // Why not oneDNN's packed weights (mkldnn::_reorder_linear_weight + _linear_pointwise, what this op
 // called before): on a CPU without AVX-512 oneDNN keeps the plain layout and has no bf16 kernels, and
