@@ -146,9 +146,10 @@ def test_both_kernels_of_a_dtype_match_the_reference(dtype, switch, feature, fas
         for rows, in_features, out_features in [(1, 46, 80), (5, 47, 72), (17, 64, 80), (3, 1, 16), (20, 130, 48),
                                                 (4, 96, 32)]:
             weight, x = torch.randn(out_features, in_features).to(dtype), torch.randn(rows, in_features).to(dtype)
-            got = ops.packed_linear(x, pack_weight(weight), out_features)
+            packed = pack_weight(weight)
+            got = ops.packed_linear(x, packed, out_features)
             torch.testing.assert_close(got.float(), reference.packed_linear(x, weight).float(), **tolerance)
-            alone = torch.cat([ops.packed_linear(x[i:i + 1], pack_weight(weight), out_features) for i in range(rows)])
+            alone = torch.cat([ops.packed_linear(x[i:i + 1], packed, out_features) for i in range(rows)])
             assert torch.equal(alone, got), (rows, in_features, out_features)
         print(%r if qspec_ext.build_info()[%r] else %r)
     """ % (dtype, fast, feature, other))

@@ -399,10 +399,10 @@ bool detect_bf16_dot() {
 #endif
 }
 
-// AMX (and AVX512-BF16) on this CPU, unless QSPEC_CPU_AMX=0 or QSPEC_CPU_BF16_DOT=0.
+// AMX on this CPU, unless QSPEC_CPU_AMX=0 (the AMX kernel also needs AVX512-BF16: kBf16Dot).
 bool detect_amx() {
 #if QSPEC_BF16_DOT
-  return !turned_off("QSPEC_CPU_AMX") && detect_bf16_dot() && cpu_has_usable_amx_bf16();
+  return !turned_off("QSPEC_CPU_AMX") && cpu_has_usable_amx_bf16();
 #else
   return false;
 #endif
@@ -433,7 +433,7 @@ void packed_gemm(const X* x, int64_t x_stride, const W* packed, int64_t M, int64
 
 const bool kBf16Dot = detect_bf16_dot();
 const bool kAvx512 = detect_avx512();
-const bool kAmx = detect_amx();
+const bool kAmx = kBf16Dot && detect_amx();
 
 at::Tensor packed_linear_cpu(const at::Tensor& input, const at::Tensor& packed_weight, int64_t out_features) {
   QSPEC_CHECK(input.dim() == 2, kOp, "input", "must be 2-D [rows, in_features], got ", input.dim(), "-D ",
@@ -461,15 +461,13 @@ at::Tensor packed_linear_cpu(const at::Tensor& input, const at::Tensor& packed_w
 #if QSPEC_BF16_DOT
   if (input.scalar_type() == at::kBFloat16 && kBf16Dot) {
     const at::Tensor x = input.stride(1) == 1 ? input : input.contiguous();
-    if (kAmx) {
-      amx_gemm(reinterpret_cast<const uint16_t*>(x.const_data_ptr<c10::BFloat16>()), x.stride(0),
-               reinterpret_cast<const uint16_t*>(packed_weight.const_data_ptr<c10::BFloat16>()), M, K, N,
-               out.mutable_data_ptr<c10::BFloat16>());
-      return out;
-    }
-    packed_gemm(reinterpret_cast<const uint16_t*>(x.const_data_ptr<c10::BFloat16>()), x.stride(0),
-                reinterpret_cast<const uint16_t*>(packed_weight.const_data_ptr<c10::BFloat16>()), M, K, N,
-                out.mutable_data_ptr<c10::BFloat16>());
+    const auto* rows = reinterpret_cast<const uint16_t*>(x.const_data_ptr<c10::BFloat16>());
+    const auto* packed = reinterpret_cast<const uint16_t*>(packed_weight.const_data_ptr<c10::BFloat16>());
+    auto* result = out.mutable_data_ptr<c10::BFloat16>();
+    if (kAmx)
+      amx_gemm(rows, x.stride(0), packed, M, K, N, result);
+    else
+      packed_gemm(rows, x.stride(0), packed, M, K, N, result);
     return out;
   }
 #endif

@@ -267,7 +267,8 @@ def packed_linear(input: torch.Tensor, packed_weight: torch.Tensor, out_features
     4-byte lanes, ``[ceil(N / 16), ceil(K / G), 16, G]`` (G = 1 for fp32, 2 for bf16), in the
     input's dtype; accumulates in fp32. bf16 runs AMX tiles where the CPU has them
     (``build_info()["cpu_amx"]``), else AVX512-BF16 dot products where it has those
-    (``build_info()["cpu_bf16_dot"]``); a row's result never depends on the other rows. CPU only: the projections' inference path, models/linear.py."""
+    (``build_info()["cpu_bf16_dot"]``); a row's result never depends on the other rows. CPU only:
+    the projections' inference path, models/linear.py."""
     return _ops.packed_linear(input, packed_weight, out_features)
 
 

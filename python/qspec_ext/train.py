@@ -701,8 +701,7 @@ def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: 
     ``init_from``: a drafter directory to start from (a warm start: its weights, a fresh optimizer
     and schedule). ``evaluate(drafter, step) -> dict`` runs before each step in ``eval_steps`` and at
     the end (once per step, also across resumes); its results, with the step and the trained rows
-    seen so far, go to history.json's
-    "evaluations"."""
+    seen so far, go to history.json's "evaluations"."""
     check_train_config(config)
     keep_freed_memory()
     missing = [str(f) for f in data_files if not Path(f).is_file()]
