@@ -178,7 +178,7 @@ run_step() {  # name, time limit in seconds, command...
   report
 }
 
-pytest=("$py" -m pytest -q -p no:cacheprovider)
+pytest=("$py" -m pytest -q -p no:cacheprovider -o addopts="")  # one process unless workers say so
 # One small shape per CUDA kernel (rms_norm, fused_add_rms_norm, eagle3_input_norm,
 # qk_norm_rope, gather_aux_hidden, verify row_stats + emit, tree token + walk, cached_attention,
 # silu_and_mul):

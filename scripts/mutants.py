@@ -456,6 +456,24 @@ MUTANTS = [
     Mutant("attention_lanes_fp32_last_dim_unweighted", "csrc/cpu/attention.cpp",
            "for (; d0 < D; ++d0) weigh_values<1>", "for (; d0 < D - 1; ++d0) weigh_values<1>",
            ("tests/test_attention.py::test_chains_match_the_reference",)),
+    # The work split of at::parallel_for: a part's bounds taken as if it were the whole range
+    # (only two threads tell; the rest of the suite may run on one thread per worker).
+    Mutant("rms_norm_part_starts_at_row_0", "csrc/cpu/norm_rope.cpp",
+           "[&](int64_t b, int64_t e) { rms_norm_rows(p, b, e); }", "[&](int64_t b, int64_t e) { rms_norm_rows(p, 0, e - b); }",
+           ("tests/test_threads.py",)),
+    Mutant("aux_gather_part_starts_at_row_0", "csrc/cpu/aux_gather.cpp",
+           "[&](int64_t b, int64_t e) { gather_rows(p, b, e); }", "[&](int64_t b, int64_t e) { gather_rows(p, 0, e - b); }",
+           ("tests/test_threads.py",)),
+    Mutant("attention_part_starts_at_item_0", "csrc/cpu/attention.cpp",
+           "      for (int64_t item = first; item < last; ++item) {",
+           "      for (int64_t item = 0; item < last - first; ++item) {", ("tests/test_threads.py",)),
+    Mutant("packed_linear_amx_part_starts_at_item_0", "csrc/cpu/packed_linear.cpp",
+           "per thread: configure on first use)\n    for (int64_t item = first; item < last; ++item) {",
+           "per thread: configure on first use)\n    for (int64_t item = 0; item < last - first; ++item) {",
+           ("tests/test_threads.py",)),
+    Mutant("verify_part_starts_at_row_0", "csrc/cpu/verify.cpp",
+           "for (int64_t r = begin; r < end; ++r) {", "for (int64_t r = 0; r < end - begin; ++r) {",
+           ("tests/test_threads.py",)),
     # Prefills run their tokens packed; the last layer runs for the last tokens only.
     Mutant("packed_contexts_taken_from_the_first_grid_rows", "csrc/decoder_layer.cpp",
            "context_rows = context_rows.index_select(0, *token_rows);",
@@ -591,7 +609,8 @@ def run_tests(root: Path, args: tuple[str, ...], timeout: float) -> Outcome:
                         "MUTANTS_PROBE_OUT": str(probe)}
     # Test paths are absolute and the cwd is the copy, so nothing (.hypothesis/) lands in the repository.
     args = tuple(str(REPO / a) if a.startswith("tests/") else a for a in args)
-    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "mutants_probe", *args]
+    command = [sys.executable, "-m", "pytest", "-x", "-q", "-o", "addopts=", "-p", "no:cacheprovider",  # one process
+               "-p", "mutants_probe", *args]
     start = time.perf_counter()
     try:
         proc = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)

@@ -11,6 +11,11 @@ from helpers import make_hf
 
 from qspec_ext import NativeTarget
 
+# Under pytest-xdist the workers, not OpenMP threads, share the cores: each worker gets its share
+# (one thread on two cores). tests/test_threads.py runs the kernels' work split on two threads.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 # Kernel vs reference: both compute in fp32 and round once, so they differ by at most
