@@ -75,7 +75,9 @@ def build_tool(name: str) -> str:
 
 class CMakeExtension(Extension):
     def __init__(self, name: str):
-        super().__init__(name, sources=[])
+        # _C is an abi3 module (Python's stable ABI from 3.10) on torch's stable ABI: one wheel for
+        # every CPython >= 3.10 and every torch >= 2.10.
+        super().__init__(name, sources=[], py_limited_api=True)
 
 
 class CMakeBuild(build_ext):
@@ -109,8 +111,19 @@ class CMakeBuild(build_ext):
         jobs = os.environ.get("MAX_JOBS") or str(os.cpu_count() or 1)
         subprocess.run([cmake, "--build", str(build_temp), "-j", jobs], check=True)
 
+    def copy_extensions_to_source(self) -> None:
+        """In-place and editable builds: _C, and beside it the CUDA kernels' library CMake built."""
+        super().copy_extensions_to_source()
+        built = Path(self.build_lib) / "qspec_ext" / "_C_cuda.so"
+        package = Path(self.get_finalized_command("build_py").get_package_dir("qspec_ext"))
+        if built.exists():
+            shutil.copy2(built, package / built.name)
+        else:  # a build without CUDA kernels must not leave an older build's library to load
+            (package / built.name).unlink(missing_ok=True)
+
 
 setup(
     ext_modules=[CMakeExtension("qspec_ext._C")],
     cmdclass={"build_ext": CMakeBuild},
+    options={"bdist_wheel": {"py_limited_api": "cp310"}},
 )

@@ -5,35 +5,32 @@
 #include <optional>
 #include <string_view>
 
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <c10/util/string_view.h>
 
 #include "checks.h"
 #include "qspec_ext/aux_gather.h"
 
 namespace qspec_ext {
 
-using GatherImpl = void (*)(std::string_view op, at::TensorList aux, const at::Tensor& indices,
-                            const std::optional<at::TensorList>& residual,
-                            const std::optional<at::Tensor>& norm_weight, double eps, const AuxGatherShape& s,
-                            at::Tensor& out);
+using GatherImpl = void (*)(std::string_view op, const TensorList& aux, const Tensor& indices,
+                            const std::optional<TensorList>& residual,
+                            const std::optional<Tensor>& norm_weight, double eps, const AuxGatherShape& s,
+                            Tensor& out);
 
 template <GatherImpl impl>
-at::Tensor gather_aux_hidden_entry(at::TensorList aux, const at::Tensor& indices, std::optional<at::TensorList> residual,
-                                   c10::string_view norm_mode, const std::optional<at::Tensor>& norm_weight,
+Tensor gather_aux_hidden_entry(const TensorList& aux, const Tensor& indices, std::optional<TensorList> residual,
+                                   std::string_view norm_mode, const std::optional<Tensor>& norm_weight,
                                    double eps) {
   constexpr std::string_view op = "gather_aux_hidden";
   const AuxGatherShape s = check_gather_aux_hidden(op, aux, indices, residual, norm_mode, norm_weight);
-  at::Tensor out = at::empty({s.num_rows, s.num_aux * s.hidden}, aux[0].options());
+  Tensor out = empty({s.num_rows, s.num_aux * s.hidden}, aux[0]);
   impl(op, aux, indices, residual, norm_weight, eps, s, out);
   return out;
 }
 
 template <GatherImpl impl>
-void gather_aux_hidden_out_entry(at::TensorList aux, const at::Tensor& indices, std::optional<at::TensorList> residual,
-                                 c10::string_view norm_mode, const std::optional<at::Tensor>& norm_weight, double eps,
-                                 at::Tensor& out) {
+void gather_aux_hidden_out_entry(const TensorList& aux, const Tensor& indices, std::optional<TensorList> residual,
+                                 std::string_view norm_mode, const std::optional<Tensor>& norm_weight, double eps,
+                                 Tensor& out) {
   constexpr std::string_view op = "gather_aux_hidden_out";
   const AuxGatherShape s = check_gather_aux_hidden(op, aux, indices, residual, norm_mode, norm_weight);
   check_gather_out(out, s, aux[0]);
@@ -42,10 +39,10 @@ void gather_aux_hidden_out_entry(at::TensorList aux, const at::Tensor& indices, 
 
 // Raw pointers for the kernels. weight: the norm weight as the kernel will read it.
 template <typename T>
-AuxGatherParams<T> aux_gather_params(at::TensorList aux, const at::Tensor& indices,
-                                     const std::optional<at::TensorList>& residual,
-                                     const std::optional<at::Tensor>& weight, double eps, const AuxGatherShape& s,
-                                     at::Tensor& out) {
+AuxGatherParams<T> aux_gather_params(const TensorList& aux, const Tensor& indices,
+                                     const std::optional<TensorList>& residual,
+                                     const std::optional<Tensor>& weight, double eps, const AuxGatherShape& s,
+                                     Tensor& out) {
   AuxGatherParams<T> p{};
   for (int i = 0; i < s.num_aux; ++i) {
     p.aux[i] = aux[i].const_data_ptr<T>();
@@ -56,10 +53,10 @@ AuxGatherParams<T> aux_gather_params(at::TensorList aux, const at::Tensor& indic
     }
   }
   p.indices = indices.const_data_ptr();
-  p.indices_i64 = indices.scalar_type() == at::kLong;
+  p.indices_i64 = indices.scalar_type() == kLong;
   p.weight = weight.has_value() ? weight->const_data_ptr() : nullptr;
-  p.weight_f32 = weight.has_value() && weight->scalar_type() == at::kFloat;
-  p.out = out.data_ptr<T>();
+  p.weight_f32 = weight.has_value() && weight->scalar_type() == kFloat;
+  p.out = out.mutable_data_ptr<T>();
   p.out_stride = out.stride(0);
   p.num_rows = s.num_rows;
   p.num_source = s.num_source;

@@ -1,37 +1,56 @@
 #include "checks.h"
 
-#include <ATen/MemoryOverlap.h>
 
 #include "qspec_ext/norm_rope.h"
 #include "qspec_ext/verify.h"
 
 namespace qspec_ext {
 
-void check_activation(std::string_view op, std::string_view name, const at::Tensor& t) {
+// Whether two dense tensors' memory ranges intersect (at::get_overlap_status's Full or Partial);
+// a tensor with gaps cannot be told cheaply and passes, as it does in ATen ("TooHard").
+static bool may_overlap(const Tensor& a, const Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0 || !a.is_contiguous() || !b.is_contiguous()) return false;
+  const auto* a0 = static_cast<const char*>(a.const_data_ptr());
+  const auto* b0 = static_cast<const char*>(b.const_data_ptr());
+  const char* a1 = a0 + a.numel() * static_cast<int64_t>(a.element_size());
+  const char* b1 = b0 + b.numel() * static_cast<int64_t>(b.element_size());
+  return a0 < b1 && b0 < a1;
+}
+
+// "[Int, Long]", as an ArrayRef of dtypes prints.
+static std::string dtype_names(std::initializer_list<ScalarType> dtypes) {
+  std::ostringstream os;
+  os << '[';
+  for (auto it = dtypes.begin(); it != dtypes.end(); ++it) os << (it == dtypes.begin() ? "" : ", ") << *it;
+  os << ']';
+  return std::move(os).str();
+}
+
+void check_activation(std::string_view op, std::string_view name, const Tensor& t) {
   const auto dt = t.scalar_type();
-  QSPEC_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16, op, name,
+  QSPEC_CHECK(dt == kFloat || dt == kHalf || dt == kBFloat16, op, name,
               "must be float32, float16 or bfloat16, got ", dt);
 }
 
-void check_same_device(std::string_view op, std::string_view name, const at::Tensor& t, const at::Tensor& ref) {
+void check_same_device(std::string_view op, std::string_view name, const Tensor& t, const Tensor& ref) {
   QSPEC_CHECK(t.device() == ref.device(), op, name, "must be on ", ref.device(), ", got ", t.device());
 }
 
-void check_norm_weight(std::string_view op, std::string_view name, const at::Tensor& weight, int64_t width,
-                       const at::Tensor& activation) {
+void check_norm_weight(std::string_view op, std::string_view name, const Tensor& weight, int64_t width,
+                       const Tensor& activation) {
   check_same_device(op, name, weight, activation);
   QSPEC_CHECK(weight.dim() == 1 && weight.size(0) == width, op, name, "must have shape [", width, "], got ",
               weight.sizes());
-  QSPEC_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == activation.scalar_type(), op, name,
+  QSPEC_CHECK(weight.scalar_type() == kFloat || weight.scalar_type() == activation.scalar_type(), op, name,
               "must be float32 or the activation dtype ", activation.scalar_type(), ", got ",
               weight.scalar_type());
   QSPEC_CHECK(weight.is_contiguous(), op, name, "must be contiguous, got strides ", weight.strides());
 }
 
-void check_index(std::string_view op, std::string_view name, const at::Tensor& t, int64_t length,
-                 const at::Tensor& ref) {
+void check_index(std::string_view op, std::string_view name, const Tensor& t, int64_t length,
+                 const Tensor& ref) {
   check_same_device(op, name, t, ref);
-  QSPEC_CHECK(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, op, name,
+  QSPEC_CHECK(t.scalar_type() == kInt || t.scalar_type() == kLong, op, name,
               "must be int32 or int64, got ", t.scalar_type());
   QSPEC_CHECK(t.dim() == 1 && t.size(0) == length, op, name, "must have shape [", length, "], got ", t.sizes());
   QSPEC_CHECK(t.is_contiguous(), op, name, "must be contiguous (the kernels read it with stride 1), got strides ",
@@ -42,17 +61,15 @@ void check_width(std::string_view op, std::string_view name, int64_t width) {
   QSPEC_CHECK(width <= kMaxWidth, op, name, "must have rows of at most ", kMaxWidth, " elements, got ", width);
 }
 
-void check_written_rows(std::string_view op, std::string_view name, const at::Tensor& rows) {
+void check_written_rows(std::string_view op, std::string_view name, const Tensor& rows) {
   QSPEC_CHECK(rows.size(0) <= 1 || rows.stride(0) >= rows.size(1), op, name,
               "is written in place and must not have overlapping rows, got shape ", rows.sizes(), " and strides ",
               rows.strides());
 }
 
-void check_no_overlap(std::string_view op, std::string_view name, const at::Tensor& a, std::string_view other,
-                      const at::Tensor& b) {
-  const auto status = at::get_overlap_status(a, b);
-  QSPEC_CHECK(status != at::MemOverlapStatus::Full && status != at::MemOverlapStatus::Partial, op, name,
-              "must not share memory with '", other, "'");
+void check_no_overlap(std::string_view op, std::string_view name, const Tensor& a, std::string_view other,
+                      const Tensor& b) {
+  QSPEC_CHECK(!may_overlap(a, b), op, name, "must not share memory with '", other, "'");
 }
 
 void check_launch_size(std::string_view op, std::string_view name, int64_t count, std::string_view what) {
@@ -60,16 +77,16 @@ void check_launch_size(std::string_view op, std::string_view name, int64_t count
               kMaxLaunchBlocks, ", the most blocks one CUDA grid dimension holds (split the call)");
 }
 
-at::Tensor as_rows(std::string_view op, std::string_view name, const at::Tensor& t) {
+Tensor as_rows(std::string_view op, std::string_view name, const Tensor& t) {
   QSPEC_CHECK(t.dim() >= 1, op, name, "must have at least 1 dimension, got a scalar");
   const int64_t width = t.size(-1);
   QSPEC_CHECK(t.stride(-1) == 1 || width == 1, op, name, "must have a contiguous last dimension, got strides ",
               t.strides());
-  if (t.dim() == 1) return t.view({1, width});
+  if (t.dim() == 1) return torch::stable::view(t, {1, width});
   if (t.numel() == 0) {  // nothing to read: any strides will do
     int64_t rows = 1;
     for (int64_t d = 0; d + 1 < t.dim(); ++d) rows *= t.size(d);
-    return t.as_strided({rows, width}, {width, 1});
+    return as_strided(t, {rows, width}, {width, 1});
   }
   // Leading dims must collapse into one row dimension with a single stride.
   int64_t expected = t.stride(-2);
@@ -82,28 +99,28 @@ at::Tensor as_rows(std::string_view op, std::string_view name, const at::Tensor&
   check_width(op, name, width);
   const int64_t rows = t.numel() / std::max<int64_t>(width, 1);
   check_launch_size(op, name, rows, "its number of rows");
-  return t.as_strided({rows, width}, {t.dim() > 1 ? t.stride(-2) : width, 1});
+  return as_strided(t, {rows, width}, {t.dim() > 1 ? t.stride(-2) : width, 1});
 }
 
-at::Tensor check_rms_norm(const at::Tensor& input, const at::Tensor& weight) {
+Tensor check_rms_norm(const Tensor& input, const Tensor& weight) {
   constexpr std::string_view op = "rms_norm";
   check_activation(op, "input", input);
-  const at::Tensor rows = as_rows(op, "input", input);
+  const Tensor rows = as_rows(op, "input", input);
   check_norm_weight(op, "weight", weight, rows.size(1), input);
   return rows;
 }
 
-at::Tensor check_silu_and_mul(const at::Tensor& input) {
+Tensor check_silu_and_mul(const Tensor& input) {
   constexpr std::string_view op = "silu_and_mul";
   check_activation(op, "input", input);
-  const at::Tensor rows = as_rows(op, "input", input);
+  const Tensor rows = as_rows(op, "input", input);
   QSPEC_CHECK(rows.size(1) % 2 == 0, op, "input",
               "must have an even last dimension (the gate half, then the up half), got shape ", input.sizes());
   return rows;
 }
 
-std::pair<at::Tensor, at::Tensor> check_fused_add_rms_norm(const at::Tensor& input, const at::Tensor& residual,
-                                                           const at::Tensor& weight) {
+std::pair<Tensor, Tensor> check_fused_add_rms_norm(const Tensor& input, const Tensor& residual,
+                                                           const Tensor& weight) {
   constexpr std::string_view op = "fused_add_rms_norm_";
   check_activation(op, "input", input);
   check_same_device(op, "residual", residual, input);
@@ -111,8 +128,8 @@ std::pair<at::Tensor, at::Tensor> check_fused_add_rms_norm(const at::Tensor& inp
               input.scalar_type(), "), got ", residual.scalar_type());
   QSPEC_CHECK(residual.sizes() == input.sizes(), op, "residual", "must have the shape of input ", input.sizes(),
               ", got ", residual.sizes());
-  at::Tensor in_rows = as_rows(op, "input", input);
-  at::Tensor res_rows = as_rows(op, "residual", residual);
+  Tensor in_rows = as_rows(op, "input", input);
+  Tensor res_rows = as_rows(op, "residual", residual);
   check_written_rows(op, "input", in_rows);
   check_written_rows(op, "residual", res_rows);
   check_no_overlap(op, "residual", residual, "input", input);
@@ -120,7 +137,7 @@ std::pair<at::Tensor, at::Tensor> check_fused_add_rms_norm(const at::Tensor& inp
   return {in_rows, res_rows};
 }
 
-static void check_cache(std::string_view name, const at::Tensor& cache, const at::Tensor& qkv, int64_t heads,
+static void check_cache(std::string_view name, const Tensor& cache, const Tensor& qkv, int64_t heads,
                         int64_t head_dim) {
   constexpr std::string_view op = "qk_norm_rope_";
   check_same_device(op, name, cache, qkv);
@@ -132,12 +149,12 @@ static void check_cache(std::string_view name, const at::Tensor& cache, const at
               cache.strides());
 }
 
-QKNormRopeShape check_qk_norm_rope(const at::Tensor& qkv, const std::optional<at::Tensor>& q_weight,
-                                   const std::optional<at::Tensor>& k_weight, const at::Tensor& cos_sin_cache,
-                                   const at::Tensor& positions, int64_t num_heads_q, int64_t num_heads_kv,
-                                   int64_t head_dim, const std::optional<at::Tensor>& k_cache,
-                                   const std::optional<at::Tensor>& v_cache,
-                                   const std::optional<at::Tensor>& slot_mapping) {
+QKNormRopeShape check_qk_norm_rope(const Tensor& qkv, const std::optional<Tensor>& q_weight,
+                                   const std::optional<Tensor>& k_weight, const Tensor& cos_sin_cache,
+                                   const Tensor& positions, int64_t num_heads_q, int64_t num_heads_kv,
+                                   int64_t head_dim, const std::optional<Tensor>& k_cache,
+                                   const std::optional<Tensor>& v_cache,
+                                   const std::optional<Tensor>& slot_mapping) {
   constexpr std::string_view op = "qk_norm_rope_";
   QKNormRopeShape s{};
   check_activation(op, "qkv", qkv);
@@ -181,7 +198,7 @@ QKNormRopeShape check_qk_norm_rope(const at::Tensor& qkv, const std::optional<at
   s.max_position = cos_sin_cache.size(0);
   QSPEC_CHECK(s.rot_dim > 0 && s.rot_dim % 2 == 0 && s.rot_dim <= head_dim, op, "cos_sin_cache",
               "must have an even rotary_dim (size of dim 1) in [2, head_dim=", head_dim, "], got ", s.rot_dim);
-  QSPEC_CHECK(cos_sin_cache.scalar_type() == at::kFloat || cos_sin_cache.scalar_type() == qkv.scalar_type(), op,
+  QSPEC_CHECK(cos_sin_cache.scalar_type() == kFloat || cos_sin_cache.scalar_type() == qkv.scalar_type(), op,
               "cos_sin_cache", "must be float32 or the dtype of qkv (", qkv.scalar_type(), "), got ",
               cos_sin_cache.scalar_type());
   QSPEC_CHECK(cos_sin_cache.is_contiguous(), op, "cos_sin_cache", "must be contiguous, got strides ",
@@ -213,19 +230,19 @@ static AuxNormMode parse_aux_norm_mode(std::string_view op, std::string_view mod
   return AuxNormMode::kNone;
 }
 
-AuxGatherShape check_gather_aux_hidden(std::string_view op, at::TensorList aux, const at::Tensor& indices,
-                                       const std::optional<at::TensorList>& residual, std::string_view norm_mode,
-                                       const std::optional<at::Tensor>& norm_weight) {
+AuxGatherShape check_gather_aux_hidden(std::string_view op, const TensorList& aux, const Tensor& indices,
+                                       const std::optional<TensorList>& residual, std::string_view norm_mode,
+                                       const std::optional<Tensor>& norm_weight) {
   AuxGatherShape s{};
   QSPEC_CHECK(!aux.empty() && aux.size() <= static_cast<size_t>(kMaxAuxLayers), op, "aux",
               "must hold 1 to ", kMaxAuxLayers, " tensors, got ", aux.size());
-  const at::Tensor& first = aux[0];
+  const Tensor& first = aux[0];
   check_activation(op, "aux[0]", first);
   QSPEC_CHECK(first.dim() == 2, op, "aux[0]", "must have shape [num_tokens, hidden_size], got ", first.sizes());
   s.num_aux = static_cast<int>(aux.size());
   s.num_source = first.size(0);
   s.hidden = first.size(1);
-  auto check_list = [&](at::TensorList list, std::string_view list_name) {
+  auto check_list = [&](const TensorList& list, std::string_view list_name) {
     for (size_t i = 0; i < list.size(); ++i) {
       const std::string name = std::string(list_name) + "[" + std::to_string(i) + "]";
       check_same_device(op, name, list[i], first);
@@ -245,7 +262,7 @@ AuxGatherShape check_gather_aux_hidden(std::string_view op, at::TensorList aux, 
     check_list(*residual, "residual");
   }
   check_same_device(op, "indices", indices, first);
-  QSPEC_CHECK(indices.scalar_type() == at::kInt || indices.scalar_type() == at::kLong, op, "indices",
+  QSPEC_CHECK(indices.scalar_type() == kInt || indices.scalar_type() == kLong, op, "indices",
               "must be int32 or int64, got ", indices.scalar_type());
   QSPEC_CHECK(indices.dim() == 1, op, "indices", "must have shape [num_rows], got ", indices.sizes());
   QSPEC_CHECK(indices.is_contiguous(), op, "indices", "must be contiguous, got strides ", indices.strides());
@@ -258,9 +275,9 @@ AuxGatherShape check_gather_aux_hidden(std::string_view op, at::TensorList aux, 
     QSPEC_CHECK(!norm_weight.has_value(), op, "norm_weight", "must be None for norm_mode \"none\"");
   } else {
     QSPEC_CHECK(norm_weight.has_value(), op, "norm_weight", "is required for norm_mode \"", norm_mode, "\"");
-    const at::Tensor& w = *norm_weight;
+    const Tensor& w = *norm_weight;
     check_same_device(op, "norm_weight", w, first);
-    QSPEC_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == first.scalar_type(), op, "norm_weight",
+    QSPEC_CHECK(w.scalar_type() == kFloat || w.scalar_type() == first.scalar_type(), op, "norm_weight",
                 "must be float32 or the activation dtype ", first.scalar_type(), ", got ", w.scalar_type());
     QSPEC_CHECK(w.is_contiguous(), op, "norm_weight", "must be contiguous, got strides ", w.strides());
     if (s.mode == AuxNormMode::kFcNorm) {
@@ -276,7 +293,7 @@ AuxGatherShape check_gather_aux_hidden(std::string_view op, at::TensorList aux, 
   return s;
 }
 
-void check_gather_out(const at::Tensor& out, const AuxGatherShape& shape, const at::Tensor& aux0) {
+void check_gather_out(const Tensor& out, const AuxGatherShape& shape, const Tensor& aux0) {
   constexpr std::string_view op = "gather_aux_hidden_out";
   check_same_device(op, "out", out, aux0);
   QSPEC_CHECK(out.scalar_type() == aux0.scalar_type(), op, "out", "must have the dtype of aux (",
@@ -288,12 +305,12 @@ void check_gather_out(const at::Tensor& out, const AuxGatherShape& shape, const 
   check_written_rows(op, "out", out);
 }
 
-static void check_vector(std::string_view op, std::string_view name, const at::Tensor& t, int64_t length,
-                         const at::Tensor& ref, std::initializer_list<at::ScalarType> dtypes) {
+static void check_vector(std::string_view op, std::string_view name, const Tensor& t, int64_t length,
+                         const Tensor& ref, std::initializer_list<ScalarType> dtypes) {
   check_same_device(op, name, t, ref);
   bool dtype_ok = false;
   for (auto d : dtypes) dtype_ok = dtype_ok || t.scalar_type() == d;
-  QSPEC_CHECK(dtype_ok, op, name, "must have dtype ", c10::ArrayRef<at::ScalarType>(dtypes), ", got ",
+  QSPEC_CHECK(dtype_ok, op, name, "must have dtype ", dtype_names(dtypes), ", got ",
               t.scalar_type());
   QSPEC_CHECK(t.dim() == 1 && t.size(0) == length, op, name, "must have shape [", length, "], got ", t.sizes());
   QSPEC_CHECK(t.is_contiguous(), op, name, "must be contiguous, got strides ", t.strides());
@@ -301,7 +318,7 @@ static void check_vector(std::string_view op, std::string_view name, const at::T
 
 // target_logits [batch, rows, vocab] with a contiguous last dim: returns the vocab size.
 // rows_name names what rows counts (rows = rows_name + 1).
-static int64_t check_target_logits(std::string_view op, const at::Tensor& target_logits, int64_t batch, int64_t rows,
+static int64_t check_target_logits(std::string_view op, const Tensor& target_logits, int64_t batch, int64_t rows,
                                    std::string_view rows_name) {
   QSPEC_CHECK(target_logits.dim() == 3 && target_logits.size(0) == batch && target_logits.size(1) == rows, op,
               "target_logits", "must have shape [batch, ", rows_name, " + 1, vocab] = [", batch, ", ", rows,
@@ -314,14 +331,14 @@ static int64_t check_target_logits(std::string_view op, const at::Tensor& target
   return vocab;
 }
 
-VerifyShape check_verify(std::string_view op, const at::Tensor& draft_ids, const at::Tensor& target_logits,
-                         const std::optional<at::Tensor>& num_draft, const std::optional<at::Tensor>& draft_probs,
-                         const std::optional<at::Tensor>& temperature, const std::optional<at::Tensor>& seed,
-                         const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& d2t) {
+VerifyShape check_verify(std::string_view op, const Tensor& draft_ids, const Tensor& target_logits,
+                         const std::optional<Tensor>& num_draft, const std::optional<Tensor>& draft_probs,
+                         const std::optional<Tensor>& temperature, const std::optional<Tensor>& seed,
+                         const std::optional<Tensor>& offset, const std::optional<Tensor>& d2t) {
   VerifyShape s{};
   QSPEC_CHECK(draft_ids.dim() == 2, op, "draft_ids", "must have shape [batch, num_draft_tokens], got ",
               draft_ids.sizes());
-  QSPEC_CHECK(draft_ids.scalar_type() == at::kLong, op, "draft_ids", "must be int64, got ", draft_ids.scalar_type());
+  QSPEC_CHECK(draft_ids.scalar_type() == kLong, op, "draft_ids", "must be int64, got ", draft_ids.scalar_type());
   s.batch = draft_ids.size(0);
   const int64_t k = draft_ids.size(1);
   QSPEC_CHECK(k >= 1 && k <= kMaxDraftTokens, op, "draft_ids", "must hold 1 to ", kMaxDraftTokens,
@@ -333,10 +350,10 @@ VerifyShape check_verify(std::string_view op, const at::Tensor& draft_ids, const
   s.vocab = check_target_logits(op, target_logits, s.batch, k + 1, "num_draft_tokens");
   s.draft_vocab = s.vocab;
   s.has_num_draft = num_draft.has_value();
-  if (s.has_num_draft) check_vector(op, "num_draft", *num_draft, s.batch, target_logits, {at::kInt, at::kLong});
-  if (temperature.has_value()) check_vector(op, "temperature", *temperature, s.batch, target_logits, {at::kFloat});
-  if (seed.has_value()) check_vector(op, "seed", *seed, s.batch, target_logits, {at::kLong});
-  if (offset.has_value()) check_vector(op, "offset", *offset, s.batch, target_logits, {at::kLong});
+  if (s.has_num_draft) check_vector(op, "num_draft", *num_draft, s.batch, target_logits, {kInt, kLong});
+  if (temperature.has_value()) check_vector(op, "temperature", *temperature, s.batch, target_logits, {kFloat});
+  if (seed.has_value()) check_vector(op, "seed", *seed, s.batch, target_logits, {kLong});
+  if (offset.has_value()) check_vector(op, "offset", *offset, s.batch, target_logits, {kLong});
 
   s.has_d2t = d2t.has_value();
   s.has_probs = draft_probs.has_value();
@@ -346,12 +363,12 @@ VerifyShape check_verify(std::string_view op, const at::Tensor& draft_ids, const
     QSPEC_CHECK(d2t->dim() == 1, op, "d2t", "must have shape [draft_vocab], got ", d2t->sizes());
     s.draft_vocab = d2t->size(0);
     QSPEC_CHECK(s.draft_vocab >= 1, op, "d2t", "must map at least one draft id, got an empty tensor");
-    check_vector(op, "d2t", *d2t, s.draft_vocab, target_logits, {at::kInt, at::kLong});
+    check_vector(op, "d2t", *d2t, s.draft_vocab, target_logits, {kInt, kLong});
   }
   if (s.has_probs) {
-    const at::Tensor& q = *draft_probs;
+    const Tensor& q = *draft_probs;
     check_same_device(op, "draft_probs", q, target_logits);
-    QSPEC_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == target_logits.scalar_type(), op, "draft_probs",
+    QSPEC_CHECK(q.scalar_type() == kFloat || q.scalar_type() == target_logits.scalar_type(), op, "draft_probs",
                 "must be float32 or the dtype of target_logits (", target_logits.scalar_type(), "), got ",
                 q.scalar_type());
     QSPEC_CHECK(q.dim() == 3 && q.size(0) == s.batch && q.size(1) == k && q.size(2) == s.draft_vocab, op,
@@ -363,23 +380,23 @@ VerifyShape check_verify(std::string_view op, const at::Tensor& draft_ids, const
   return s;
 }
 
-void check_verify_out(std::string_view op, const at::Tensor& out_ids, const at::Tensor& num_accepted,
-                      const VerifyShape& shape, const at::Tensor& target_logits) {
+void check_verify_out(std::string_view op, const Tensor& out_ids, const Tensor& num_accepted,
+                      const VerifyShape& shape, const Tensor& target_logits) {
   check_same_device(op, "out_ids", out_ids, target_logits);
-  QSPEC_CHECK(out_ids.scalar_type() == at::kLong, op, "out_ids", "must be int64, got ", out_ids.scalar_type());
+  QSPEC_CHECK(out_ids.scalar_type() == kLong, op, "out_ids", "must be int64, got ", out_ids.scalar_type());
   QSPEC_CHECK(out_ids.dim() == 2 && out_ids.size(0) == shape.batch && out_ids.size(1) == shape.num_draft_max + 1,
               op, "out_ids", "must have shape [", shape.batch, ", ", shape.num_draft_max + 1, "], got ",
               out_ids.sizes());
   QSPEC_CHECK(out_ids.is_contiguous(), op, "out_ids", "must be contiguous, got strides ", out_ids.strides());
-  check_vector(op, "num_accepted", num_accepted, shape.batch, target_logits, {at::kLong});
+  check_vector(op, "num_accepted", num_accepted, shape.batch, target_logits, {kLong});
 }
 
-TreeVerifyShape check_verify_tree(std::string_view op, const at::Tensor& draft_ids, const at::Tensor& parents,
-                                  const at::Tensor& target_logits, const std::optional<at::Tensor>& temperature,
-                                  const std::optional<at::Tensor>& seed, const std::optional<at::Tensor>& offset) {
+TreeVerifyShape check_verify_tree(std::string_view op, const Tensor& draft_ids, const Tensor& parents,
+                                  const Tensor& target_logits, const std::optional<Tensor>& temperature,
+                                  const std::optional<Tensor>& seed, const std::optional<Tensor>& offset) {
   TreeVerifyShape s{};
   QSPEC_CHECK(draft_ids.dim() == 2, op, "draft_ids", "must have shape [batch, num_nodes], got ", draft_ids.sizes());
-  QSPEC_CHECK(draft_ids.scalar_type() == at::kLong, op, "draft_ids", "must be int64, got ", draft_ids.scalar_type());
+  QSPEC_CHECK(draft_ids.scalar_type() == kLong, op, "draft_ids", "must be int64, got ", draft_ids.scalar_type());
   s.batch = draft_ids.size(0);
   const int64_t n = draft_ids.size(1);
   check_launch_size(op, "draft_ids", s.batch * (n + 1), "batch * (num_nodes + 1) (one block per target row)");
@@ -387,37 +404,37 @@ TreeVerifyShape check_verify_tree(std::string_view op, const at::Tensor& draft_i
   check_activation(op, "target_logits", target_logits);
   check_same_device(op, "draft_ids", draft_ids, target_logits);
   check_same_device(op, "parents", parents, target_logits);
-  QSPEC_CHECK(parents.scalar_type() == at::kInt || parents.scalar_type() == at::kLong, op, "parents",
+  QSPEC_CHECK(parents.scalar_type() == kInt || parents.scalar_type() == kLong, op, "parents",
               "must be int32 or int64, got ", parents.scalar_type());
   QSPEC_CHECK(parents.sizes() == draft_ids.sizes(), op, "parents", "must have the shape of draft_ids ",
               draft_ids.sizes(), ", got ", parents.sizes());
   QSPEC_CHECK(parents.is_contiguous(), op, "parents", "must be contiguous, got strides ", parents.strides());
   s.vocab = check_target_logits(op, target_logits, s.batch, n + 1, "num_nodes");
-  if (temperature.has_value()) check_vector(op, "temperature", *temperature, s.batch, target_logits, {at::kFloat});
-  if (seed.has_value()) check_vector(op, "seed", *seed, s.batch, target_logits, {at::kLong});
-  if (offset.has_value()) check_vector(op, "offset", *offset, s.batch, target_logits, {at::kLong});
+  if (temperature.has_value()) check_vector(op, "temperature", *temperature, s.batch, target_logits, {kFloat});
+  if (seed.has_value()) check_vector(op, "seed", *seed, s.batch, target_logits, {kLong});
+  if (offset.has_value()) check_vector(op, "offset", *offset, s.batch, target_logits, {kLong});
   return s;
 }
 
-void check_verify_tree_out(std::string_view op, const at::Tensor& out_ids, const at::Tensor& num_accepted,
-                           const at::Tensor& path, const TreeVerifyShape& shape, const at::Tensor& target_logits) {
-  for (const auto& [name, t] : {std::pair<std::string_view, const at::Tensor&>{"out_ids", out_ids}, {"path", path}}) {
+void check_verify_tree_out(std::string_view op, const Tensor& out_ids, const Tensor& num_accepted,
+                           const Tensor& path, const TreeVerifyShape& shape, const Tensor& target_logits) {
+  for (const auto& [name, t] : {std::pair<std::string_view, const Tensor&>{"out_ids", out_ids}, {"path", path}}) {
     check_same_device(op, name, t, target_logits);
-    QSPEC_CHECK(t.scalar_type() == at::kLong, op, name, "must be int64, got ", t.scalar_type());
+    QSPEC_CHECK(t.scalar_type() == kLong, op, name, "must be int64, got ", t.scalar_type());
     QSPEC_CHECK(t.dim() == 2 && t.size(0) == shape.batch && t.size(1) == shape.num_nodes + 1, op, name,
                 "must have shape [", shape.batch, ", ", shape.num_nodes + 1, "], got ", t.sizes());
     QSPEC_CHECK(t.is_contiguous(), op, name, "must be contiguous, got strides ", t.strides());
   }
-  check_vector(op, "num_accepted", num_accepted, shape.batch, target_logits, {at::kLong});
+  check_vector(op, "num_accepted", num_accepted, shape.batch, target_logits, {kLong});
   check_no_overlap(op, "out_ids", out_ids, "path", path);
   check_no_overlap(op, "out_ids", out_ids, "num_accepted", num_accepted);
   check_no_overlap(op, "path", path, "num_accepted", num_accepted);
 }
 
-AttentionShape check_cached_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                      const at::Tensor& positions, int64_t window,
-                                      const std::optional<at::Tensor>& tree_start,
-                                      const std::optional<at::Tensor>& tree_seen) {
+AttentionShape check_cached_attention(const Tensor& query, const Tensor& k_cache, const Tensor& v_cache,
+                                      const Tensor& positions, int64_t window,
+                                      const std::optional<Tensor>& tree_start,
+                                      const std::optional<Tensor>& tree_seen) {
   constexpr std::string_view op = "cached_attention";
   AttentionShape s{};
   check_activation(op, "query", query);
@@ -431,8 +448,8 @@ AttentionShape check_cached_attention(const at::Tensor& query, const at::Tensor&
   s.head_dim = query.size(3);
   QSPEC_CHECK(s.head_dim > 0 && s.head_dim <= kMaxHeadDim, op, "query", "must have head_dim in [1, ", kMaxHeadDim,
               "], got ", s.head_dim);
-  for (const auto& [name, cache] : {std::pair<std::string_view, const at::Tensor&>{"k_cache", k_cache},
-                                    std::pair<std::string_view, const at::Tensor&>{"v_cache", v_cache}}) {
+  for (const auto& [name, cache] : {std::pair<std::string_view, const Tensor&>{"k_cache", k_cache},
+                                    std::pair<std::string_view, const Tensor&>{"v_cache", v_cache}}) {
     check_same_device(op, name, cache, query);
     QSPEC_CHECK(cache.scalar_type() == query.scalar_type(), op, name, "must have the dtype of query (",
                 query.scalar_type(), "), got ", cache.scalar_type());
@@ -449,7 +466,7 @@ AttentionShape check_cached_attention(const at::Tensor& query, const at::Tensor&
               "must have batch * max_length slots (a multiple of batch=", s.batch, "), got ", k_cache.size(0));
   s.max_length = s.batch > 0 ? k_cache.size(0) / s.batch : 0;
   check_same_device(op, "positions", positions, query);
-  QSPEC_CHECK(positions.scalar_type() == at::kInt || positions.scalar_type() == at::kLong, op, "positions",
+  QSPEC_CHECK(positions.scalar_type() == kInt || positions.scalar_type() == kLong, op, "positions",
               "must be int32 or int64, got ", positions.scalar_type());
   QSPEC_CHECK(positions.dim() == 2 && positions.size(0) == s.batch && positions.size(1) == s.tokens, op, "positions",
               "must have shape [", s.batch, ", ", s.tokens, "], got ", positions.sizes());
@@ -459,11 +476,11 @@ AttentionShape check_cached_attention(const at::Tensor& query, const at::Tensor&
   s.has_tree = tree_start.has_value();
   if (s.has_tree) {
     check_same_device(op, "tree_start", *tree_start, query);
-    QSPEC_CHECK(tree_start->scalar_type() == at::kLong && tree_start->dim() == 1 && tree_start->size(0) == s.batch,
+    QSPEC_CHECK(tree_start->scalar_type() == kLong && tree_start->dim() == 1 && tree_start->size(0) == s.batch,
                 op, "tree_start", "must be an int64 tensor of shape [", s.batch, "], got ",
                 tree_start->scalar_type(), " ", tree_start->sizes());
     check_same_device(op, "tree_seen", *tree_seen, query);
-    QSPEC_CHECK(tree_seen->scalar_type() == at::kBool && tree_seen->dim() == 3 && tree_seen->size(0) == s.batch &&
+    QSPEC_CHECK(tree_seen->scalar_type() == kBool && tree_seen->dim() == 3 && tree_seen->size(0) == s.batch &&
                     tree_seen->size(1) == s.tokens,
                 op, "tree_seen", "must be a bool tensor of shape [", s.batch, ", ", s.tokens,
                 ", scratch], got ", tree_seen->scalar_type(), " ", tree_seen->sizes());
@@ -475,8 +492,8 @@ AttentionShape check_cached_attention(const at::Tensor& query, const at::Tensor&
   return s;
 }
 
-void check_eagle3_input_norm(const at::Tensor& embeds, const at::Tensor& hidden, const at::Tensor& embed_weight,
-                             const at::Tensor& hidden_weight) {
+void check_eagle3_input_norm(const Tensor& embeds, const Tensor& hidden, const Tensor& embed_weight,
+                             const Tensor& hidden_weight) {
   constexpr std::string_view op = "eagle3_input_norm";
   check_activation(op, "embeds", embeds);
   QSPEC_CHECK(embeds.dim() == 2, op, "embeds", "must have shape [num_tokens, hidden_size], got ", embeds.sizes());

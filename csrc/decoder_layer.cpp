@@ -2,19 +2,15 @@
 // other ops: the fused residual add and RMSNorm, the QKV projection, qk_norm_rope_ (writing the
 // layer's K/V cache), cached_attention, the output projection, the second fused add and norm, the
 // gated MLP (silu_and_mul). One call per layer instead of a dozen from Python: at 30 layers the
-// Python between the ops cost about 2 ms of a 13 ms decode step (benchmarks/HISTORY.md). Device-generic: the pieces go through the dispatcher (CPU or CUDA
-// kernels), a projection through packed_linear when its weight is packed (4-D, CPU), else
-// at::linear.
+// Python between the ops cost about 2 ms of a 13 ms decode step (benchmarks/HISTORY.md).
+// Device-generic: the pieces go through the dispatcher (CPU or CUDA kernels), a projection through
+// packed_linear when its weight is packed (4-D, CPU), else aten::linear. Built into the CPU
+// library and (QSPEC_CUDA_LIBRARY) the CUDA one, each registering its device.
 #include <cmath>
 #include <optional>
 #include <string_view>
 #include <utility>
 
-#include <ATen/core/Tensor.h>
-#include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/ops/linear.h>
-#include <ATen/ops/zeros.h>
-#include <torch/library.h>
 
 #include "checks.h"
 
@@ -23,42 +19,29 @@ namespace {
 
 constexpr std::string_view kOp = "decoder_layer_";
 
-template <typename Signature>
-c10::TypedOperatorHandle<Signature> op_handle(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+// self.index_copy_(0, index, source), returning self.
+Tensor index_copy_(const Tensor& self, const Tensor& index, const Tensor& source) {
+  return call_aten("aten::index_copy_", "", self, int64_t{0}, index, source);
 }
 
 // x [M, K] @ weight^T: weight [N, K] as stored, or packed (qspec_ext.models.linear.pack_weight).
-at::Tensor project(std::string_view name, const at::Tensor& x, const at::Tensor& weight, int64_t out_features) {
-  static const auto packed_linear =
-      op_handle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>("qspec_ext::packed_linear");
-  if (weight.dim() == 4) return packed_linear.call(x, weight, out_features);
+Tensor project(std::string_view name, const Tensor& x, const Tensor& weight, int64_t out_features) {
+  if (weight.dim() == 4) return call_aten("qspec_ext::packed_linear", "", x, weight, out_features);
   QSPEC_CHECK(weight.dim() == 2 && weight.size(0) == out_features && weight.size(1) == x.size(1), kOp, name,
               "must be [", out_features, ", ", x.size(1), "] (or packed, 4-D), got ", weight.sizes());
-  return at::linear(x, weight);
+  return call_aten("aten::linear", "", x, weight, std::optional<Tensor>());
 }
 
-void decoder_layer(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& input_norm,
-                   const at::Tensor& post_norm, const at::Tensor& qkv_weight, const at::Tensor& o_weight,
-                   const at::Tensor& gate_up_weight, const at::Tensor& down_weight,
-                   const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
-                   at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& cos_sin_cache,
-                   const at::Tensor& positions, const at::Tensor& rope_positions, const at::Tensor& slots,
-                   const std::optional<at::Tensor>& tree_start, const std::optional<at::Tensor>& tree_seen,
+void decoder_layer(Tensor& hidden, Tensor& residual, const Tensor& input_norm,
+                   const Tensor& post_norm, const Tensor& qkv_weight, const Tensor& o_weight,
+                   const Tensor& gate_up_weight, const Tensor& down_weight,
+                   const std::optional<Tensor>& q_norm, const std::optional<Tensor>& k_norm,
+                   Tensor& k_cache, Tensor& v_cache, const Tensor& cos_sin_cache,
+                   const Tensor& positions, const Tensor& rope_positions, const Tensor& slots,
+                   const std::optional<Tensor>& tree_start, const std::optional<Tensor>& tree_seen,
                    int64_t num_heads_q, int64_t num_heads_kv, int64_t head_dim, int64_t intermediate_size,
-                   double eps, const std::optional<at::Tensor>& token_rows,
-                   const std::optional<at::Tensor>& output_rows, const std::optional<at::Tensor>& output_positions) {
-  static const auto fused_add_rms_norm =
-      op_handle<void(at::Tensor&, at::Tensor&, const at::Tensor&, double)>("qspec_ext::fused_add_rms_norm_");
-  static const auto qk_norm_rope = op_handle<void(
-      at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, const at::Tensor&,
-      const at::Tensor&, int64_t, int64_t, int64_t, double, bool, const std::optional<at::Tensor>&,
-      const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>("qspec_ext::qk_norm_rope_");
-  static const auto cached_attention = op_handle<at::Tensor(
-      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t,
-      const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>("qspec_ext::cached_attention");
-  static const auto silu_and_mul = op_handle<at::Tensor(const at::Tensor&)>("qspec_ext::silu_and_mul");
-
+                   double eps, const std::optional<Tensor>& token_rows,
+                   const std::optional<Tensor>& output_rows, const std::optional<Tensor>& output_positions) {
   QSPEC_CHECK(hidden.dim() == 2, kOp, "hidden", "must be 2-D [tokens, hidden_size], got ", hidden.sizes());
   QSPEC_CHECK(residual.sizes() == hidden.sizes() && residual.scalar_type() == hidden.scalar_type(), kOp, "residual",
               "must match hidden ", hidden.sizes(), " ", hidden.scalar_type(), ", got ", residual.sizes(), " ",
@@ -67,11 +50,11 @@ void decoder_layer(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& i
   const int64_t grid = positions.size(0) * positions.size(1);
   if (token_rows) {
     QSPEC_CHECK(token_rows->dim() == 1 && token_rows->size(0) == hidden.size(0) &&
-                    token_rows->scalar_type() == at::kLong && token_rows->device() == hidden.device(),
+                    token_rows->scalar_type() == kLong && token_rows->device() == hidden.device(),
                 kOp, "token_rows", "must be int64 [", hidden.size(0), "] (hidden's rows) on ", hidden.device(),
                 ", got ", token_rows->scalar_type(), " ", token_rows->sizes(), " on ", token_rows->device());
     if (token_rows->is_cpu()) {  // (on CUDA the index ops below check the bounds)
-      const at::Tensor rows = token_rows->contiguous();
+      const Tensor rows = torch::stable::contiguous(*token_rows);
       const int64_t* row = rows.const_data_ptr<int64_t>();
       for (int64_t i = 0; i < rows.numel(); ++i)
         QSPEC_CHECK(row[i] >= (i ? row[i - 1] + 1 : 0) && row[i] < grid, kOp, "token_rows",
@@ -88,7 +71,7 @@ void decoder_layer(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& i
               output_rows ? "output_rows" : "output_positions", ", got None");
   if (output_rows) {
     QSPEC_CHECK(!tree_start, kOp, "output_rows", "is for chains, not draft trees (tree_start given)");
-    QSPEC_CHECK(output_rows->dim() == 1 && output_rows->scalar_type() == at::kLong &&
+    QSPEC_CHECK(output_rows->dim() == 1 && output_rows->scalar_type() == kLong &&
                     output_rows->device() == hidden.device(),
                 kOp, "output_rows", "must be int64 [rows] on ", hidden.device(), ", got ", output_rows->scalar_type(),
                 " ", output_rows->sizes(), " on ", output_rows->device());
@@ -100,7 +83,7 @@ void decoder_layer(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& i
                 output_rows->numel(), " tokens in ", positions.size(0), " requests), got ",
                 output_positions->scalar_type(), " ", output_positions->sizes());
     if (output_rows->is_cpu()) {
-      const at::Tensor rows = output_rows->contiguous();
+      const Tensor rows = torch::stable::contiguous(*output_rows);
       const int64_t* row = rows.const_data_ptr<int64_t>();
       for (int64_t i = 0; i < rows.numel(); ++i)
         QSPEC_CHECK(row[i] >= 0 && row[i] < hidden.size(0), kOp, "output_rows", "must be rows of hidden, in [0, ",
@@ -113,38 +96,42 @@ void decoder_layer(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& i
     QSPEC_CHECK(size > 0, kOp, name, "must be positive, got ", size);
   const int64_t width = hidden.size(1), q_width = num_heads_q * head_dim;
 
-  fused_add_rms_norm.call(hidden, residual, input_norm, eps);  // residual += hidden; hidden = its norm
-  at::Tensor qkv = project("qkv_weight", hidden, qkv_weight, q_width + 2 * num_heads_kv * head_dim);
-  qk_norm_rope.call(qkv, q_norm, k_norm, cos_sin_cache, rope_positions, num_heads_q, num_heads_kv, head_dim, eps,
-                    true, k_cache, v_cache, slots);
+  call_op("qspec_ext::fused_add_rms_norm_", "", hidden, residual, input_norm, eps);  // residual += hidden; hidden = its norm
+  Tensor qkv = project("qkv_weight", hidden, qkv_weight, q_width + 2 * num_heads_kv * head_dim);
+  call_op("qspec_ext::qk_norm_rope_", "", qkv, q_norm, k_norm, cos_sin_cache, rope_positions, num_heads_q,
+          num_heads_kv, head_dim, eps, true, std::optional<Tensor>(k_cache), std::optional<Tensor>(v_cache),
+          std::optional<Tensor>(slots));
   // output_rows: only these tokens attend (at output_positions) and run the MLP. Else packed
   // tokens (token_rows): their queries go to their rows of the [B, T] grid (padding rows zero,
   // position -1: attention leaves them), and their contexts come back.
-  at::Tensor query = qkv.narrow(1, 0, q_width);
-  const at::Tensor& query_positions = output_rows ? *output_positions : positions;
+  Tensor query = torch::stable::narrow(qkv, 1, 0, q_width);
+  const Tensor& query_positions = output_rows ? *output_positions : positions;
   if (output_rows)
-    query = query.index_select(0, *output_rows);
+    query = torch::stable::index_select(query, 0, *output_rows);
   else if (token_rows)
-    query = at::zeros({grid, q_width}, query.options()).index_copy_(0, *token_rows, query);
-  const at::Tensor context = cached_attention.call(
-      query.view({query_positions.size(0), query_positions.size(1), num_heads_q, head_dim}), k_cache, v_cache,
-      query_positions, std::pow(double(head_dim), -0.5), 0, tree_start, tree_seen);
-  at::Tensor context_rows = context.view({-1, q_width});
-  if (token_rows && !output_rows) context_rows = context_rows.index_select(0, *token_rows);
-  at::Tensor attended = project("o_weight", context_rows, o_weight, width);
-  at::Tensor stream = output_rows ? residual.index_select(0, *output_rows) : residual;
-  fused_add_rms_norm.call(attended, stream, post_norm, eps);
-  const at::Tensor out = project("down_weight", silu_and_mul.call(project("gate_up_weight", attended, gate_up_weight,
-                                                                          2 * intermediate_size)),
-                                 down_weight, width);
-  if (!output_rows) return void(hidden.copy_(out));
-  residual.index_copy_(0, *output_rows, stream);
-  hidden.index_copy_(0, *output_rows, out);
+    query = index_copy_(zeros({grid, q_width}, query), *token_rows, query);
+  const Tensor context = call_aten(
+      "qspec_ext::cached_attention", "",
+      torch::stable::view(query, {query_positions.size(0), query_positions.size(1), num_heads_q, head_dim}), k_cache,
+      v_cache, query_positions, std::pow(double(head_dim), -0.5), int64_t{0}, tree_start, tree_seen);
+  Tensor context_rows = torch::stable::view(context, {-1, q_width});
+  if (token_rows && !output_rows) context_rows = torch::stable::index_select(context_rows, 0, *token_rows);
+  Tensor attended = project("o_weight", context_rows, o_weight, width);
+  Tensor stream = output_rows ? torch::stable::index_select(residual, 0, *output_rows) : residual;
+  call_op("qspec_ext::fused_add_rms_norm_", "", attended, stream, post_norm, eps);
+  const Tensor gate_up = project("gate_up_weight", attended, gate_up_weight, 2 * intermediate_size);
+  const Tensor out = project("down_weight", call_aten("qspec_ext::silu_and_mul", "", gate_up), down_weight, width);
+  if (!output_rows) return void(torch::stable::copy_(hidden, out));
+  index_copy_(residual, *output_rows, stream);
+  index_copy_(hidden, *output_rows, out);
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(qspec_ext, CPU, m) { m.impl("decoder_layer_", &decoder_layer); }
-TORCH_LIBRARY_IMPL(qspec_ext, CUDA, m) { m.impl("decoder_layer_", &decoder_layer); }
+#ifdef QSPEC_CUDA_LIBRARY
+STABLE_TORCH_LIBRARY_IMPL(qspec_ext, CUDA, m) { m.impl("decoder_layer_", TORCH_BOX(&decoder_layer)); }
+#else
+STABLE_TORCH_LIBRARY_IMPL(qspec_ext, CPU, m) { m.impl("decoder_layer_", TORCH_BOX(&decoder_layer)); }
+#endif
 
 }  // namespace qspec_ext

@@ -1,7 +1,7 @@
 // The only place operator schemas are written. Kernels register in cpu/*.cpp and cuda/*.cu.
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
 
-TORCH_LIBRARY(qspec_ext, m) {
+STABLE_TORCH_LIBRARY(qspec_ext, m) {
   // out = RMSNorm(input) * weight over the last dim, computed in fp32.
   m.def("rms_norm(Tensor input, Tensor weight, float eps) -> Tensor");
   // residual += input; input = RMSNorm(residual) * weight, normalizing the fp32 sum.

@@ -269,7 +269,7 @@ def test_bad_checkpoint_json_names_the_file(tmp_path):
         Eagle3Drafter.from_pretrained(tmp_path)
 
 
-def test_an_extension_that_does_not_load_names_the_rebuild_command():
+def test_an_extension_that_does_not_load_names_the_reinstall_command():
     script = 'import sys; sys.modules["qspec_ext._C"] = None; import qspec_ext'
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0

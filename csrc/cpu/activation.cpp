@@ -3,8 +3,6 @@
 #include <algorithm>
 #include <cstdint>
 
-#include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include "activation_entry.h"
 #include "cpu_common.h"
@@ -48,19 +46,19 @@ QSPEC_CPU_CLONES void silu_and_mul_rows(const c10::BFloat16* in, int64_t in_stri
 
 }  // namespace
 
-void silu_and_mul_cpu(const at::Tensor& rows, at::Tensor& out) {
+void silu_and_mul_cpu(const Tensor& rows, Tensor& out) {
   const int64_t width = out.size(1);
   QSPEC_DISPATCH_ACTIVATION(rows.scalar_type(), "silu_and_mul_cpu", [&] {
     const scalar_t* in = rows.const_data_ptr<scalar_t>();
     scalar_t* dst = out.mutable_data_ptr<scalar_t>();
-    at::parallel_for(0, rows.size(0), grain_for(2 * width), [&](int64_t begin, int64_t end) {
+    torch::stable::parallel_for(0, rows.size(0), grain_for(2 * width), [&](int64_t begin, int64_t end) {
       silu_and_mul_rows(in, rows.stride(0), dst, width, begin, end);
     });
   });
 }
 
-TORCH_LIBRARY_IMPL(qspec_ext, CPU, m) {
-  m.impl("silu_and_mul", &silu_and_mul_entry<c10::DeviceType::CPU, silu_and_mul_cpu>);
+STABLE_TORCH_LIBRARY_IMPL(qspec_ext, CPU, m) {
+  m.impl("silu_and_mul", TORCH_BOX((&silu_and_mul_entry<DeviceType::CPU, silu_and_mul_cpu>)));
 }
 
 }  // namespace qspec_ext

@@ -18,8 +18,6 @@
 #include <type_traits>
 #include <vector>
 
-#include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include "attention_entry.h"
 #include "cpu_common.h"
@@ -836,10 +834,10 @@ bool use_lanes(const AttentionShape& s) {
 
 }  // namespace
 
-void cached_attention_cpu(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                          const at::Tensor& positions, double scale, int64_t window,
-                          const std::optional<at::Tensor>& tree_start, const std::optional<at::Tensor>& tree_seen,
-                          const AttentionShape& s, at::Tensor& out) {
+void cached_attention_cpu(const Tensor& query, const Tensor& k_cache, const Tensor& v_cache,
+                          const Tensor& positions, double scale, int64_t window,
+                          const std::optional<Tensor>& tree_start, const std::optional<Tensor>& tree_seen,
+                          const AttentionShape& s, Tensor& out) {
   constexpr std::string_view op = "cached_attention";
   check_index_range(op, "positions", positions, -1, s.max_length, "cache positions, -1 = padding");
   if (s.has_tree) check_index_range(op, "tree_start", *tree_start, -1, s.max_length, "cache slots, -1 = inactive");
@@ -850,7 +848,7 @@ void cached_attention_cpu(const at::Tensor& query, const at::Tensor& k_cache, co
     p.k_cache = k_cache.const_data_ptr<scalar_t>();
     p.v_cache = v_cache.const_data_ptr<scalar_t>();
     p.positions = positions.const_data_ptr();
-    p.positions_i64 = positions.scalar_type() == at::kLong;
+    p.positions_i64 = positions.scalar_type() == kLong;
     p.tree_start = s.has_tree ? tree_start->const_data_ptr<int64_t>() : nullptr;
     p.tree_seen = s.has_tree ? tree_seen->const_data_ptr<bool>() : nullptr;
     p.out = out.mutable_data_ptr<scalar_t>();
@@ -872,7 +870,7 @@ void cached_attention_cpu(const at::Tensor& query, const at::Tensor& k_cache, co
       longest = std::max(longest, u.hi - u.lo);
     }
     // Enough items to keep every thread busy when the batch is small (flash-decoding).
-    const int64_t wanted = (2 * at::get_num_threads() + s.batch - 1) / s.batch;
+    const int64_t wanted = (2 * static_cast<int64_t>(torch::stable::get_num_threads()) + s.batch - 1) / s.batch;
     const int64_t splits = std::max<int64_t>(1, std::min(wanted, (longest + kMinKeysPerSplit - 1) / kMinKeysPerSplit));
     const int64_t queries = s.tokens * (s.heads_q / s.heads_kv), width = s.head_dim + 2;
     const int64_t item_states = s.heads_kv * queries * width;
@@ -881,7 +879,7 @@ void cached_attention_cpu(const at::Tensor& query, const at::Tensor& k_cache, co
     // Items per task: small calls (a short context) stay on one thread, where waking the others
     // would cost more than the work.
     const int64_t item_work = std::max<int64_t>(1, (longest + splits - 1) / splits * s.heads_q * s.tokens * s.head_dim);
-    at::parallel_for(0, s.batch * splits, grain_for(item_work), [&](int64_t first, int64_t last) {
+    torch::stable::parallel_for(0, s.batch * splits, grain_for(item_work), [&](int64_t first, int64_t last) {
       for (int64_t item = first; item < last; ++item) {
         const int64_t b = item / splits, split = item % splits;
         const KeyRange u = span[b];
@@ -894,7 +892,7 @@ void cached_attention_cpu(const at::Tensor& query, const at::Tensor& k_cache, co
       }
     });
     if (splits == 1) return;
-    at::parallel_for(0, s.batch * s.heads_kv, grain_for(splits * queries * s.head_dim), [&](int64_t first, int64_t last) {
+    torch::stable::parallel_for(0, s.batch * s.heads_kv, grain_for(splits * queries * s.head_dim), [&](int64_t first, int64_t last) {
       for (int64_t group = first; group < last; ++group) {
         const int64_t b = group / s.heads_kv, h = group % s.heads_kv;
         merge_splits(p, b, h, splits, states.data() + b * splits * item_states + h * queries * width, item_states);
@@ -903,8 +901,8 @@ void cached_attention_cpu(const at::Tensor& query, const at::Tensor& k_cache, co
   });
 }
 
-TORCH_LIBRARY_IMPL(qspec_ext, CPU, m) {
-  m.impl("cached_attention", &cached_attention_entry<c10::DeviceType::CPU, cached_attention_cpu>);
+STABLE_TORCH_LIBRARY_IMPL(qspec_ext, CPU, m) {
+  m.impl("cached_attention", TORCH_BOX((&cached_attention_entry<DeviceType::CPU, cached_attention_cpu>)));
 }
 
 }  // namespace qspec_ext

@@ -2,9 +2,6 @@
 // its n source rows once into an fp32 scratch row, normalizes, and writes the fc input.
 #include <vector>
 
-#include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
-#include <torch/library.h>
 
 #include "cpu_common.h"
 #include "aux_gather_entry.h"
@@ -67,9 +64,9 @@ QSPEC_CPU_CLONES void gather_rows(const AuxGatherParams<c10::BFloat16>& p, int64
 
 }  // namespace
 
-void gather_aux_hidden_cpu(std::string_view op, at::TensorList aux, const at::Tensor& indices,
-                           const std::optional<at::TensorList>& residual, const std::optional<at::Tensor>& norm_weight,
-                           double eps, const AuxGatherShape& s, at::Tensor& out) {
+void gather_aux_hidden_cpu(std::string_view op, const TensorList& aux, const Tensor& indices,
+                           const std::optional<TensorList>& residual, const std::optional<Tensor>& norm_weight,
+                           double eps, const AuxGatherShape& s, Tensor& out) {
   QSPEC_CHECK(aux[0].device().is_cpu(), op, "aux[0]", "must be a CPU tensor for the CPU kernel, got ",
               aux[0].device());
   check_index_range(op, "indices", indices, -1, s.num_source, "source rows, -1 = padding");
@@ -79,14 +76,14 @@ void gather_aux_hidden_cpu(std::string_view op, at::TensorList aux, const at::Te
   QSPEC_DISPATCH_ACTIVATION(aux[0].scalar_type(), "gather_aux_hidden_cpu", [&] {
     AuxGatherParams<scalar_t> p = aux_gather_params<scalar_t>(aux, indices, residual, norm_weight, eps, s, out);
     if (weight.has_value()) p.weight = weight->data(), p.weight_f32 = true;
-    at::parallel_for(0, s.num_rows, grain_for(s.num_aux * s.hidden),
+    torch::stable::parallel_for(0, s.num_rows, grain_for(s.num_aux * s.hidden),
                      [&](int64_t b, int64_t e) { gather_rows(p, b, e); });
   });
 }
 
-TORCH_LIBRARY_IMPL(qspec_ext, CPU, m) {
-  m.impl("gather_aux_hidden", &gather_aux_hidden_entry<gather_aux_hidden_cpu>);
-  m.impl("gather_aux_hidden_out", &gather_aux_hidden_out_entry<gather_aux_hidden_cpu>);
+STABLE_TORCH_LIBRARY_IMPL(qspec_ext, CPU, m) {
+  m.impl("gather_aux_hidden", TORCH_BOX((&gather_aux_hidden_entry<gather_aux_hidden_cpu>)));
+  m.impl("gather_aux_hidden_out", TORCH_BOX((&gather_aux_hidden_out_entry<gather_aux_hidden_cpu>)));
 }
 
 }  // namespace qspec_ext

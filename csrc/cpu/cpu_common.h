@@ -11,8 +11,6 @@
 #include <string_view>
 #include <vector>
 
-#include <ATen/Dispatch.h>
-#include <ATen/core/Tensor.h>
 
 #include "checks.h"
 #include "qspec_ext/norm_rope.h"
@@ -117,9 +115,9 @@ QSPEC_INLINE void rms_normalize(float* __restrict__ x, const float* __restrict__
 // allocation and dispatch cost more).
 class FloatWeight {
  public:
-  explicit FloatWeight(const at::Tensor& weight) {
-    TORCH_INTERNAL_ASSERT(weight.is_contiguous());  // the ops' checks
-    if (weight.scalar_type() == at::kFloat) {
+  explicit FloatWeight(const Tensor& weight) {
+    STD_TORCH_CHECK(weight.is_contiguous());  // the ops' checks
+    if (weight.scalar_type() == kFloat) {
       data_ = weight.const_data_ptr<float>();
       return;
     }
@@ -136,13 +134,13 @@ class FloatWeight {
   const float* data_ = nullptr;
 };
 
-inline int64_t read_index(const at::Tensor& t, int64_t i) {
-  return t.scalar_type() == at::kInt ? static_cast<int64_t>(t.const_data_ptr<int32_t>()[i])
+inline int64_t read_index(const Tensor& t, int64_t i) {
+  return t.scalar_type() == kInt ? static_cast<int64_t>(t.const_data_ptr<int32_t>()[i])
                                      : t.const_data_ptr<int64_t>()[i];
 }
 
 // Value checks done before any write, so a bad call leaves its outputs untouched.
-inline void check_index_range(std::string_view op, std::string_view name, const at::Tensor& t, int64_t lo, int64_t hi,
+inline void check_index_range(std::string_view op, std::string_view name, const Tensor& t, int64_t lo, int64_t hi,
                        std::string_view what) {
   for (int64_t i = 0; i < t.numel(); ++i) {
     const int64_t v = read_index(t, i);

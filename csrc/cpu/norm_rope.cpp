@@ -1,11 +1,8 @@
-// CPU kernels of the norm / RoPE family: parallel over rows (tokens) with at::parallel_for,
+// CPU kernels of the norm / RoPE family: parallel over rows (tokens) with torch::stable::parallel_for,
 // vectorized by the compiler over fp32 scratch rows.
 #include <algorithm>
 #include <vector>
 
-#include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
-#include <torch/library.h>
 
 #include "cpu_common.h"
 #include "norm_rope_entry.h"
@@ -79,8 +76,8 @@ struct QKNormRopeParams {
   const float* k_weight;  // [D] or nullptr
   const float* cos_sin_f32;  // [max_pos, rot] when the cache is fp32
   const T* cos_sin_t;  // [max_pos, rot] when the cache has the activation dtype
-  const at::Tensor* positions;  // [T] int32/int64, validated
-  const at::Tensor* slot_mapping;  // [T] or nullptr
+  const Tensor* positions;  // [T] int32/int64, validated
+  const Tensor* slot_mapping;  // [T] or nullptr
   T* k_cache;  // [num_slots, Hkv, D] strides (slot, head, 1)
   T* v_cache;
   int64_t k_cache_strides[2];
@@ -157,7 +154,7 @@ QSPEC_CPU_CLONES void qk_norm_rope_rows(const QKNormRopeParams<c10::BFloat16>& p
 
 // Two tokens written to one slot would race on CUDA (which cannot check values without a
 // host sync); the CPU rejects it so tests catch a caller that does it.
-void check_distinct_slots(std::string_view op, const at::Tensor& slot_mapping) {
+void check_distinct_slots(std::string_view op, const Tensor& slot_mapping) {
   std::vector<int64_t> slots;
   for (int64_t t = 0; t < slot_mapping.numel(); ++t)
     if (read_index(slot_mapping, t) >= 0) slots.push_back(read_index(slot_mapping, t));
@@ -169,54 +166,54 @@ void check_distinct_slots(std::string_view op, const at::Tensor& slot_mapping) {
 
 }  // namespace
 
-void rms_norm_cpu(const at::Tensor& rows, const at::Tensor& weight, double eps, at::Tensor& out) {
+void rms_norm_cpu(const Tensor& rows, const Tensor& weight, double eps, Tensor& out) {
   const FloatWeight w(weight);
   QSPEC_DISPATCH_ACTIVATION(rows.scalar_type(), "rms_norm_cpu", [&] {
-    const RowNormParams<scalar_t> p{rows.const_data_ptr<scalar_t>(), rows.stride(0), out.data_ptr<scalar_t>(),
+    const RowNormParams<scalar_t> p{rows.const_data_ptr<scalar_t>(), rows.stride(0), out.mutable_data_ptr<scalar_t>(),
                                     rows.size(1), nullptr, 0, w.data(), rows.size(1), static_cast<float>(eps)};
-    at::parallel_for(0, rows.size(0), grain_for(rows.size(1)),
+    torch::stable::parallel_for(0, rows.size(0), grain_for(rows.size(1)),
                      [&](int64_t b, int64_t e) { rms_norm_rows(p, b, e); });
   });
 }
 
-void fused_add_rms_norm_cpu(at::Tensor& in_rows, at::Tensor& res_rows, const at::Tensor& weight, double eps) {
+void fused_add_rms_norm_cpu(Tensor& in_rows, Tensor& res_rows, const Tensor& weight, double eps) {
   const FloatWeight w(weight);
   QSPEC_DISPATCH_ACTIVATION(in_rows.scalar_type(), "fused_add_rms_norm_cpu", [&] {
-    scalar_t* in = in_rows.data_ptr<scalar_t>();
-    const RowNormParams<scalar_t> p{in, in_rows.stride(0), in, in_rows.stride(0), res_rows.data_ptr<scalar_t>(),
+    scalar_t* in = in_rows.mutable_data_ptr<scalar_t>();
+    const RowNormParams<scalar_t> p{in, in_rows.stride(0), in, in_rows.stride(0), res_rows.mutable_data_ptr<scalar_t>(),
                                     res_rows.stride(0), w.data(), in_rows.size(1), static_cast<float>(eps)};
-    at::parallel_for(0, in_rows.size(0), grain_for(in_rows.size(1)),
+    torch::stable::parallel_for(0, in_rows.size(0), grain_for(in_rows.size(1)),
                      [&](int64_t b, int64_t e) { fused_add_rms_norm_rows(p, b, e); });
   });
 }
 
-void eagle3_input_norm_cpu(const at::Tensor& embeds, const at::Tensor& hidden, const at::Tensor& embed_weight,
-                           const at::Tensor& hidden_weight, double eps, bool norm_before_residual, at::Tensor& x,
-                           at::Tensor& residual) {
+void eagle3_input_norm_cpu(const Tensor& embeds, const Tensor& hidden, const Tensor& embed_weight,
+                           const Tensor& hidden_weight, double eps, bool norm_before_residual, Tensor& x,
+                           Tensor& residual) {
   const int64_t rows = embeds.size(0), width = embeds.size(1);
   const FloatWeight we(embed_weight), wh(hidden_weight);
   QSPEC_DISPATCH_ACTIVATION(embeds.scalar_type(), "eagle3_input_norm_cpu", [&] {
-    scalar_t* out = x.data_ptr<scalar_t>();
+    scalar_t* out = x.mutable_data_ptr<scalar_t>();
     const float e = static_cast<float>(eps);
     const RowNormParams<scalar_t> pe{embeds.const_data_ptr<scalar_t>(), embeds.stride(0), out, 2 * width,
                                      nullptr, 0, we.data(), width, e};
     const RowNormParams<scalar_t> ph{hidden.const_data_ptr<scalar_t>(), hidden.stride(0), out + width, 2 * width,
                                      nullptr, 0, wh.data(), width, e};
-    at::parallel_for(0, rows, grain_for(2 * width), [&](int64_t b, int64_t end) {
+    torch::stable::parallel_for(0, rows, grain_for(2 * width), [&](int64_t b, int64_t end) {
       rms_norm_rows(pe, b, end);
       rms_norm_rows(ph, b, end);
       const scalar_t* res_src = norm_before_residual ? out + width : hidden.const_data_ptr<scalar_t>();
       const int64_t res_stride = norm_before_residual ? 2 * width : hidden.stride(0);
       for (int64_t r = b; r < end; ++r)
-        std::copy_n(res_src + r * res_stride, width, residual.data_ptr<scalar_t>() + r * width);
+        std::copy_n(res_src + r * res_stride, width, residual.mutable_data_ptr<scalar_t>() + r * width);
     });
   });
 }
 
-void qk_norm_rope_cpu(at::Tensor& qkv, const std::optional<at::Tensor>& q_weight,
-                      const std::optional<at::Tensor>& k_weight, const at::Tensor& cos_sin_cache,
-                      const at::Tensor& positions, double eps, bool is_neox, const std::optional<at::Tensor>& k_cache,
-                      const std::optional<at::Tensor>& v_cache, const std::optional<at::Tensor>& slot_mapping,
+void qk_norm_rope_cpu(Tensor& qkv, const std::optional<Tensor>& q_weight,
+                      const std::optional<Tensor>& k_weight, const Tensor& cos_sin_cache,
+                      const Tensor& positions, double eps, bool is_neox, const std::optional<Tensor>& k_cache,
+                      const std::optional<Tensor>& v_cache, const std::optional<Tensor>& slot_mapping,
                       const QKNormRopeShape& s) {
   constexpr std::string_view op = "qk_norm_rope_";
   // Index checks read the values: free on the host, a sync on CUDA (which checks in the kernel).
@@ -228,10 +225,10 @@ void qk_norm_rope_cpu(at::Tensor& qkv, const std::optional<at::Tensor>& q_weight
   if (s.num_tokens == 0) return;
   const std::optional<FloatWeight> qw = s.has_norm ? std::optional<FloatWeight>(*q_weight) : std::nullopt;
   const std::optional<FloatWeight> kw = s.has_norm ? std::optional<FloatWeight>(*k_weight) : std::nullopt;
-  const bool cs_f32 = cos_sin_cache.scalar_type() == at::kFloat;
+  const bool cs_f32 = cos_sin_cache.scalar_type() == kFloat;
   QSPEC_DISPATCH_ACTIVATION(qkv.scalar_type(), "qk_norm_rope_cpu", [&] {
     QKNormRopeParams<scalar_t> p{};
-    p.qkv = qkv.data_ptr<scalar_t>();
+    p.qkv = qkv.mutable_data_ptr<scalar_t>();
     p.qkv_stride = qkv.stride(0);
     p.q_weight = s.has_norm ? qw->data() : nullptr;
     p.k_weight = s.has_norm ? kw->data() : nullptr;
@@ -240,8 +237,8 @@ void qk_norm_rope_cpu(at::Tensor& qkv, const std::optional<at::Tensor>& q_weight
     p.positions = &positions;
     if (s.has_cache) {
       p.slot_mapping = &*slot_mapping;
-      p.k_cache = k_cache->data_ptr<scalar_t>();
-      p.v_cache = v_cache->data_ptr<scalar_t>();
+      p.k_cache = k_cache->mutable_data_ptr<scalar_t>();
+      p.v_cache = v_cache->mutable_data_ptr<scalar_t>();
       p.k_cache_strides[0] = k_cache->stride(0);
       p.k_cache_strides[1] = k_cache->stride(1);
       p.v_cache_strides[0] = v_cache->stride(0);
@@ -253,17 +250,17 @@ void qk_norm_rope_cpu(at::Tensor& qkv, const std::optional<at::Tensor>& q_weight
     p.rot_dim = static_cast<int>(s.rot_dim);
     p.eps = static_cast<float>(eps);
     p.is_neox = is_neox;
-    at::parallel_for(0, s.num_tokens, grain_for((s.num_heads_q + 2 * s.num_heads_kv) * s.head_dim),
+    torch::stable::parallel_for(0, s.num_tokens, grain_for((s.num_heads_q + 2 * s.num_heads_kv) * s.head_dim),
                      [&](int64_t b, int64_t e) { qk_norm_rope_rows(p, b, e); });
   });
 }
 
-TORCH_LIBRARY_IMPL(qspec_ext, CPU, m) {
-  constexpr auto cpu = c10::DeviceType::CPU;
-  m.impl("rms_norm", &rms_norm_entry<cpu, rms_norm_cpu>);
-  m.impl("fused_add_rms_norm_", &fused_add_rms_norm_entry<cpu, fused_add_rms_norm_cpu>);
-  m.impl("eagle3_input_norm", &eagle3_input_norm_entry<cpu, eagle3_input_norm_cpu>);
-  m.impl("qk_norm_rope_", &qk_norm_rope_entry<cpu, qk_norm_rope_cpu>);
+STABLE_TORCH_LIBRARY_IMPL(qspec_ext, CPU, m) {
+  constexpr auto cpu = DeviceType::CPU;
+  m.impl("rms_norm", TORCH_BOX((&rms_norm_entry<cpu, rms_norm_cpu>)));
+  m.impl("fused_add_rms_norm_", TORCH_BOX((&fused_add_rms_norm_entry<cpu, fused_add_rms_norm_cpu>)));
+  m.impl("eagle3_input_norm", TORCH_BOX((&eagle3_input_norm_entry<cpu, eagle3_input_norm_cpu>)));
+  m.impl("qk_norm_rope_", TORCH_BOX((&qk_norm_rope_entry<cpu, qk_norm_rope_cpu>)));
 }
 
 }  // namespace qspec_ext

@@ -29,9 +29,6 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
-#include <torch/library.h>
 
 #include "checks.h"
 #include "cpu_common.h"
@@ -303,7 +300,7 @@ QSPEC_TARGET_AMX void amx_panel_rows(const uint16_t* x, int64_t x_stride, const 
 void amx_gemm(const uint16_t* x, int64_t x_stride, const uint16_t* packed, int64_t M, int64_t K, int64_t N,
               c10::BFloat16* out) {
   const int64_t panels = (N + kPanel - 1) / kPanel, row_blocks = (M + kAmxRows - 1) / kAmxRows;
-  at::parallel_for(0, panels * row_blocks, grain_for(std::min(M, kAmxRows) * K * kPanel), [&](int64_t first,
+  torch::stable::parallel_for(0, panels * row_blocks, grain_for(std::min(M, kAmxRows) * K * kPanel), [&](int64_t first,
                                                                                               int64_t last) {
     int64_t configured = 0;  // the rows the tiles are configured for (per thread: configure on first use)
     for (int64_t item = first; item < last; ++item) {
@@ -415,7 +412,7 @@ void packed_gemm(const X* x, int64_t x_stride, const W* packed, int64_t M, int64
   const int64_t panels = (N + kPanel - 1) / kPanel, row_blocks = (M + kBlockRows - 1) / kBlockRows;
   const int64_t item_work = std::min(M, kBlockRows) * K * kPanel;
   const bool fma_tiles = cpu_avx512();  // fp32 weights: AVX-512 FMA tiles
-  at::parallel_for(0, panels * row_blocks, grain_for(item_work), [&](int64_t first, int64_t last) {
+  torch::stable::parallel_for(0, panels * row_blocks, grain_for(item_work), [&](int64_t first, int64_t last) {
     for (int64_t item = first; item < last; ++item) {
       const int64_t row = (item % row_blocks) * kBlockRows;
       const int64_t rows = std::min(kBlockRows, M - row);
@@ -435,10 +432,10 @@ const bool kBf16Dot = detect_bf16_dot();
 const bool kAvx512 = detect_avx512();
 const bool kAmx = kBf16Dot && detect_amx();
 
-at::Tensor packed_linear_cpu(const at::Tensor& input, const at::Tensor& packed_weight, int64_t out_features) {
+Tensor packed_linear_cpu(const Tensor& input, const Tensor& packed_weight, int64_t out_features) {
   QSPEC_CHECK(input.dim() == 2, kOp, "input", "must be 2-D [rows, in_features], got ", input.dim(), "-D ",
               input.sizes());
-  QSPEC_CHECK(input.scalar_type() == at::kFloat || input.scalar_type() == at::kBFloat16, kOp, "input",
+  QSPEC_CHECK(input.scalar_type() == kFloat || input.scalar_type() == kBFloat16, kOp, "input",
               "must be float32 or bfloat16, got ", input.scalar_type());
   QSPEC_CHECK(input.scalar_type() == packed_weight.scalar_type(), kOp, "input", "must have the packed weight's dtype ",
               packed_weight.scalar_type(), ", got ", input.scalar_type());
@@ -455,12 +452,12 @@ at::Tensor packed_linear_cpu(const at::Tensor& input, const at::Tensor& packed_w
               " columns (the packed weight's in_features), got ", input.sizes());
   QSPEC_CHECK(packed_weight.is_contiguous(), kOp, "packed_weight", "must be contiguous, got strides ",
               packed_weight.strides());
-  at::Tensor out = at::empty({input.size(0), out_features}, input.options());
+  Tensor out = empty({input.size(0), out_features}, input);
   const int64_t M = input.size(0), N = out_features;
-  if (M == 0 || K == 0) return out.zero_();
+  if (M == 0 || K == 0) return torch::stable::zero_(out);
 #if QSPEC_BF16_DOT
-  if (input.scalar_type() == at::kBFloat16 && kBf16Dot) {
-    const at::Tensor x = input.stride(1) == 1 ? input : input.contiguous();
+  if (input.scalar_type() == kBFloat16 && kBf16Dot) {
+    const Tensor x = input.stride(1) == 1 ? input : torch::stable::contiguous(input);
     const auto* rows = reinterpret_cast<const uint16_t*>(x.const_data_ptr<c10::BFloat16>());
     const auto* packed = reinterpret_cast<const uint16_t*>(packed_weight.const_data_ptr<c10::BFloat16>());
     auto* result = out.mutable_data_ptr<c10::BFloat16>();
@@ -472,8 +469,8 @@ at::Tensor packed_linear_cpu(const at::Tensor& input, const at::Tensor& packed_w
   }
 #endif
   // The rows in fp32 with unit column stride (a bf16 input is widened once, not per panel).
-  const at::Tensor x = input.scalar_type() == at::kFloat && input.stride(1) == 1 ? input : input.to(at::kFloat).contiguous();
-  if (input.scalar_type() == at::kFloat)
+  const Tensor x = input.scalar_type() == kFloat && input.stride(1) == 1 ? input : torch::stable::contiguous(torch::stable::to(input, kFloat));
+  if (input.scalar_type() == kFloat)
     packed_gemm(x.const_data_ptr<float>(), x.stride(0), packed_weight.const_data_ptr<float>(), M, K, N,
                 out.mutable_data_ptr<float>());
   else
@@ -484,7 +481,7 @@ at::Tensor packed_linear_cpu(const at::Tensor& input, const at::Tensor& packed_w
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(qspec_ext, CPU, m) { m.impl("packed_linear", &packed_linear_cpu); }
+STABLE_TORCH_LIBRARY_IMPL(qspec_ext, CPU, m) { m.impl("packed_linear", TORCH_BOX((&packed_linear_cpu))); }
 
 bool cpu_bf16_dot() { return kBf16Dot; }
 bool cpu_avx512() { return kAvx512; }

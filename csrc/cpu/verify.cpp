@@ -7,9 +7,6 @@
 #include <algorithm>
 #include <vector>
 
-#include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
-#include <torch/library.h>
 
 #include "cpu_common.h"
 #include "ops.h"
@@ -220,7 +217,7 @@ void verify_cpu_impl(const VerifyParams<T>& p) {
   const int rows_per_request = p.num_draft_max + 1;
   const int64_t V = p.vocab;
   // Step 1.
-  at::parallel_for(0, p.batch * rows_per_request, 1, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, p.batch * rows_per_request, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int64_t b = r / rows_per_request;
       const int i = static_cast<int>(r % rows_per_request);
@@ -238,7 +235,7 @@ void verify_cpu_impl(const VerifyParams<T>& p) {
     }
   });
   // Steps 2 and 3.
-  at::parallel_for(0, p.batch, 1, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, p.batch, 1, [&](int64_t begin, int64_t end) {
     DrawScratch scratch;
     for (int64_t b = begin; b < end; ++b) {
       const int n = num_draft_of(p, b);
@@ -274,7 +271,7 @@ void verify_cpu_impl(const VerifyParams<T>& p) {
   });
 }
 
-void check_temperatures(std::string_view op, const std::optional<at::Tensor>& temperature, int64_t batch) {
+void check_temperatures(std::string_view op, const std::optional<Tensor>& temperature, int64_t batch) {
   if (!temperature.has_value()) return;
   const float* t = temperature->const_data_ptr<float>();
   for (int64_t b = 0; b < batch; ++b)
@@ -283,9 +280,9 @@ void check_temperatures(std::string_view op, const std::optional<at::Tensor>& te
 }
 
 // Value checks done before any work; CUDA checks the same in its kernels.
-void check_verify_values(std::string_view op, const at::Tensor& draft_ids, const VerifyShape& s,
-                         const std::optional<at::Tensor>& num_draft, const std::optional<at::Tensor>& temperature,
-                         const std::optional<at::Tensor>& d2t) {
+void check_verify_values(std::string_view op, const Tensor& draft_ids, const VerifyShape& s,
+                         const std::optional<Tensor>& num_draft, const std::optional<Tensor>& temperature,
+                         const std::optional<Tensor>& d2t) {
   if (num_draft.has_value())
     check_index_range(op, "num_draft", *num_draft, 0, s.num_draft_max + 1, "drafts per request, at most K");
   const int64_t* ids = draft_ids.const_data_ptr<int64_t>();
@@ -318,7 +315,7 @@ void check_verify_values(std::string_view op, const at::Tensor& draft_ids, const
 template <typename T>
 void verify_tree_cpu_impl(const TreeVerifyParams<T>& p) {
   const int N = p.num_nodes;
-  at::parallel_for(0, p.batch, 1, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, p.batch, 1, [&](int64_t begin, int64_t end) {
     DrawScratch scratch;
     for (int64_t b = begin; b < end; ++b) {
       const float temperature = p.temperature == nullptr ? 0.f : p.temperature[b];
@@ -343,8 +340,8 @@ void verify_tree_cpu_impl(const TreeVerifyParams<T>& p) {
 
 // parents topological (node i + 1's parent in [0, i], or -1), no used node under an unused
 // one, draft ids of used nodes in the vocab, temperatures finite and >= 0: before any work.
-void check_tree_values(std::string_view op, const at::Tensor& draft_ids, const at::Tensor& parents,
-                       const TreeVerifyShape& s, const std::optional<at::Tensor>& temperature) {
+void check_tree_values(std::string_view op, const Tensor& draft_ids, const Tensor& parents,
+                       const TreeVerifyShape& s, const std::optional<Tensor>& temperature) {
   const int64_t N = s.num_nodes;
   const int64_t* ids = draft_ids.const_data_ptr<int64_t>();
   for (int64_t b = 0; b < s.batch; ++b)
@@ -365,16 +362,16 @@ void check_tree_values(std::string_view op, const at::Tensor& draft_ids, const a
 }
 }  // namespace
 
-void verify_cpu(std::string_view op, const at::Tensor& draft_ids, const std::optional<at::Tensor>& draft_probs,
-                const at::Tensor& target_logits, const std::optional<at::Tensor>& temperature,
-                const std::optional<at::Tensor>& seed, const std::optional<at::Tensor>& offset,
-                const std::optional<at::Tensor>& d2t, const std::optional<at::Tensor>& num_draft,
-                const VerifyShape& s, at::Tensor& out_ids, at::Tensor& num_accepted) {
+void verify_cpu(std::string_view op, const Tensor& draft_ids, const std::optional<Tensor>& draft_probs,
+                const Tensor& target_logits, const std::optional<Tensor>& temperature,
+                const std::optional<Tensor>& seed, const std::optional<Tensor>& offset,
+                const std::optional<Tensor>& d2t, const std::optional<Tensor>& num_draft,
+                const VerifyShape& s, Tensor& out_ids, Tensor& num_accepted) {
   QSPEC_CHECK(target_logits.device().is_cpu(), op, "target_logits", "must be a CPU tensor for the CPU kernel, got ",
               target_logits.device());
   check_verify_values(op, draft_ids, s, num_draft, temperature, d2t);
   if (s.batch == 0) return;
-  at::Tensor rows = verify_rows_workspace(s, target_logits);
+  Tensor rows = verify_rows_workspace(s, target_logits);
   QSPEC_DISPATCH_ACTIVATION(target_logits.scalar_type(), "verify_cpu", [&] {
     const VerifyParams<scalar_t> p = verify_params<scalar_t>(draft_ids, draft_probs, target_logits, temperature, seed,
                                                              offset, d2t, num_draft, s, rows, out_ids, num_accepted);
@@ -382,30 +379,30 @@ void verify_cpu(std::string_view op, const at::Tensor& draft_ids, const std::opt
   });
 }
 
-void verify_tree_cpu(std::string_view op, const at::Tensor& draft_ids, const at::Tensor& parents,
-                     const at::Tensor& target_logits, const std::optional<at::Tensor>& temperature,
-                     const std::optional<at::Tensor>& seed, const std::optional<at::Tensor>& offset,
-                     const TreeVerifyShape& s, at::Tensor& out_ids, at::Tensor& num_accepted, at::Tensor& path) {
+void verify_tree_cpu(std::string_view op, const Tensor& draft_ids, const Tensor& parents,
+                     const Tensor& target_logits, const std::optional<Tensor>& temperature,
+                     const std::optional<Tensor>& seed, const std::optional<Tensor>& offset,
+                     const TreeVerifyShape& s, Tensor& out_ids, Tensor& num_accepted, Tensor& path) {
   QSPEC_CHECK(target_logits.device().is_cpu(), op, "target_logits", "must be a CPU tensor for the CPU kernel, got ",
               target_logits.device());
   check_tree_values(op, draft_ids, parents, s, temperature);
   if (s.batch == 0) return;
-  at::Tensor no_workspace;
+  Tensor no_workspace;
   QSPEC_DISPATCH_ACTIVATION(target_logits.scalar_type(), "verify_tree_cpu", [&] {
     verify_tree_cpu_impl(tree_verify_params<scalar_t>(draft_ids, parents, target_logits, temperature, seed, offset, s,
                                                       no_workspace, out_ids, num_accepted, path));
   });
 }
 
-TORCH_LIBRARY_IMPL(qspec_ext, CPU, m) {
-  m.impl("verify_greedy", &verify_greedy_entry<verify_cpu>);
-  m.impl("verify_greedy_out", &verify_greedy_out_entry<verify_cpu>);
-  m.impl("verify_sampling", &verify_sampling_entry<verify_cpu>);
-  m.impl("verify_sampling_out", &verify_sampling_out_entry<verify_cpu>);
-  m.impl("verify_tree_greedy", &verify_tree_greedy_entry<verify_tree_cpu>);
-  m.impl("verify_tree_greedy_out", &verify_tree_greedy_out_entry<verify_tree_cpu>);
-  m.impl("verify_tree_sampling", &verify_tree_sampling_entry<verify_tree_cpu>);
-  m.impl("verify_tree_sampling_out", &verify_tree_sampling_out_entry<verify_tree_cpu>);
+STABLE_TORCH_LIBRARY_IMPL(qspec_ext, CPU, m) {
+  m.impl("verify_greedy", TORCH_BOX((&verify_greedy_entry<verify_cpu>)));
+  m.impl("verify_greedy_out", TORCH_BOX((&verify_greedy_out_entry<verify_cpu>)));
+  m.impl("verify_sampling", TORCH_BOX((&verify_sampling_entry<verify_cpu>)));
+  m.impl("verify_sampling_out", TORCH_BOX((&verify_sampling_out_entry<verify_cpu>)));
+  m.impl("verify_tree_greedy", TORCH_BOX((&verify_tree_greedy_entry<verify_tree_cpu>)));
+  m.impl("verify_tree_greedy_out", TORCH_BOX((&verify_tree_greedy_out_entry<verify_tree_cpu>)));
+  m.impl("verify_tree_sampling", TORCH_BOX((&verify_tree_sampling_entry<verify_tree_cpu>)));
+  m.impl("verify_tree_sampling_out", TORCH_BOX((&verify_tree_sampling_out_entry<verify_tree_cpu>)));
 }
 
 }  // namespace qspec_ext

@@ -1,9 +1,5 @@
 // CUDA kernel of silu_and_mul: one block per row, each thread VEC consecutive elements of the gate
 // and up halves per access (VEC: the widest access every row's alignment allows).
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
 
 #include "activation_entry.h"
 #include "checks.h"
@@ -40,9 +36,9 @@ __global__ void silu_and_mul_kernel(const T* __restrict__ in,  // [rows, 2 * wid
 
 }  // namespace
 
-void silu_and_mul_cuda(const at::Tensor& rows, at::Tensor& out) {
-  const c10::cuda::CUDAGuard guard(rows.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+void silu_and_mul_cuda(const Tensor& rows, Tensor& out) {
+  const cuda::DeviceContext context(rows);
+  const cudaStream_t stream = context.stream();
   const int64_t width = out.size(1);
   QSPEC_DISPATCH_ACTIVATION(rows.scalar_type(), "silu_and_mul_cuda", [&] {
     const scalar_t* in = rows.const_data_ptr<scalar_t>();
@@ -53,11 +49,11 @@ void silu_and_mul_cuda(const at::Tensor& rows, at::Tensor& out) {
           in, rows.stride(0), out.mutable_data_ptr<scalar_t>(), static_cast<int>(width));
     });
   });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  QSPEC_KERNEL_LAUNCH_CHECK();
 }
 
-TORCH_LIBRARY_IMPL(qspec_ext, CUDA, m) {
-  m.impl("silu_and_mul", &silu_and_mul_entry<c10::DeviceType::CUDA, silu_and_mul_cuda>);
+STABLE_TORCH_LIBRARY_IMPL(qspec_ext, CUDA, m) {
+  m.impl("silu_and_mul", TORCH_BOX((&silu_and_mul_entry<DeviceType::CUDA, silu_and_mul_cuda>)));
 }
 
 }  // namespace qspec_ext

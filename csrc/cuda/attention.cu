@@ -5,11 +5,6 @@
 // (max, sum, accumulator) state and a second kernel merges the splits of each query row.
 #include <cmath>
 
-#include <ATen/ops/empty.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
 
 #include "attention_entry.h"
 #include "checks.h"
@@ -134,30 +129,30 @@ __global__ void __launch_bounds__(kThreads) merge_splits_kernel(const AttentionP
 template <typename T, int EPL>
 void launch(const AttentionParams<T>& p, int64_t rows, int splits, float* states, cudaStream_t stream) {
   cached_attention_kernel<T, EPL><<<dim3(rows, splits), kThreads, 0, stream>>>(p, states);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  QSPEC_KERNEL_LAUNCH_CHECK();
   if (states != nullptr) {
     merge_splits_kernel<T><<<rows, kThreads, 0, stream>>>(p, states, splits);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    QSPEC_KERNEL_LAUNCH_CHECK();
   }
 }
 
 }  // namespace
 
-void cached_attention_cuda(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& positions, double scale, int64_t window,
-                           const std::optional<at::Tensor>& tree_start, const std::optional<at::Tensor>& tree_seen,
-                           const AttentionShape& s, at::Tensor& out) {
-  const c10::cuda::CUDAGuard guard(query.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+void cached_attention_cuda(const Tensor& query, const Tensor& k_cache, const Tensor& v_cache,
+                           const Tensor& positions, double scale, int64_t window,
+                           const std::optional<Tensor>& tree_start, const std::optional<Tensor>& tree_seen,
+                           const AttentionShape& s, Tensor& out) {
+  const cuda::DeviceContext context(query);
+  const cudaStream_t stream = context.stream();
   const int64_t rows = s.batch * s.tokens * s.heads_q;
   // Flash-decoding: split the keys when there are too few rows to fill the device.
   int sms = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, query.device().index()));
+  QSPEC_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, query.get_device_index()));
   const int64_t wanted = (2 * static_cast<int64_t>(sms) + rows - 1) / rows;
   const int64_t by_length = (s.max_length + kMinSlotsPerSplit - 1) / kMinSlotsPerSplit;
   const int splits = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({wanted, by_length, kMaxSplits})));
-  at::Tensor states;
-  if (splits > 1) states = at::empty({rows * splits * (s.head_dim + 2)}, query.options().dtype(at::kFloat));
+  Tensor states;
+  if (splits > 1) states = empty({rows * splits * (s.head_dim + 2)}, query, kFloat);
   QSPEC_DISPATCH_ACTIVATION(query.scalar_type(), "cached_attention_cuda", [&] {
     AttentionParams<scalar_t> p{};
     p.query = query.const_data_ptr<scalar_t>();
@@ -165,7 +160,7 @@ void cached_attention_cuda(const at::Tensor& query, const at::Tensor& k_cache, c
     p.k_cache = k_cache.const_data_ptr<scalar_t>();
     p.v_cache = v_cache.const_data_ptr<scalar_t>();
     p.positions = positions.const_data_ptr();
-    p.positions_i64 = positions.scalar_type() == at::kLong;
+    p.positions_i64 = positions.scalar_type() == kLong;
     p.tree_start = s.has_tree ? tree_start->const_data_ptr<int64_t>() : nullptr;
     p.tree_seen = s.has_tree ? tree_seen->const_data_ptr<bool>() : nullptr;
     p.out = out.mutable_data_ptr<scalar_t>();
@@ -186,8 +181,8 @@ void cached_attention_cuda(const at::Tensor& query, const at::Tensor& k_cache, c
   });
 }
 
-TORCH_LIBRARY_IMPL(qspec_ext, CUDA, m) {
-  m.impl("cached_attention", &cached_attention_entry<c10::DeviceType::CUDA, cached_attention_cuda>);
+STABLE_TORCH_LIBRARY_IMPL(qspec_ext, CUDA, m) {
+  m.impl("cached_attention", TORCH_BOX((&cached_attention_entry<DeviceType::CUDA, cached_attention_cuda>)));
 }
 
 }  // namespace qspec_ext

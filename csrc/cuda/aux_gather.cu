@@ -2,11 +2,6 @@
 // the row is copied in one pass; with one, pass 1 reduces the sums of squares (one per
 // chunk for fc_norm, one in all for norm_before_fc) and pass 2 re-reads the source rows
 // (now in L1/L2) and writes the normalized fc input.
-#include <ATen/ops/empty.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
 
 #include "checks.h"
 #include "common.cuh"
@@ -94,17 +89,17 @@ __global__ void gather_aux_hidden_kernel(const AuxGatherParams<T> p) {
 
 }  // namespace
 
-void gather_aux_hidden_cuda(std::string_view op, at::TensorList aux, const at::Tensor& indices,
-                            const std::optional<at::TensorList>& residual,
-                            const std::optional<at::Tensor>& norm_weight, double eps, const AuxGatherShape& s,
-                            at::Tensor& out) {
+void gather_aux_hidden_cuda(std::string_view op, const TensorList& aux, const Tensor& indices,
+                            const std::optional<TensorList>& residual,
+                            const std::optional<Tensor>& norm_weight, double eps, const AuxGatherShape& s,
+                            Tensor& out) {
   QSPEC_CHECK(aux[0].is_cuda(), op, "aux[0]", "must be a CUDA tensor for the CUDA kernel, got ", aux[0].device());
   if (s.num_rows == 0 || s.hidden == 0) return;
-  const c10::cuda::CUDAGuard guard(aux[0].device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const cuda::DeviceContext context(aux[0]);
+  const cudaStream_t stream = context.stream();
   QSPEC_DISPATCH_ACTIVATION(aux[0].scalar_type(), "gather_aux_hidden_cuda", [&] {
     const AuxGatherParams<scalar_t> p = aux_gather_params<scalar_t>(aux, indices, residual, norm_weight, eps, s, out);
-    std::vector<cuda::RowPtr> rows{{out.data_ptr(), out.stride(0)}};
+    std::vector<cuda::RowPtr> rows{{out.mutable_data_ptr(), out.stride(0)}};
     for (int i = 0; i < s.num_aux; ++i) {
       rows.emplace_back(p.aux[i], p.aux_stride[i]);
       if (s.has_residual) rows.emplace_back(p.residual[i], p.residual_stride[i]);
@@ -115,12 +110,12 @@ void gather_aux_hidden_cuda(std::string_view op, at::TensorList aux, const at::T
           <<<s.num_rows, cuda::row_threads(s.hidden, vec), 0, stream>>>(p);
     });
   });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  QSPEC_KERNEL_LAUNCH_CHECK();
 }
 
-TORCH_LIBRARY_IMPL(qspec_ext, CUDA, m) {
-  m.impl("gather_aux_hidden", &gather_aux_hidden_entry<gather_aux_hidden_cuda>);
-  m.impl("gather_aux_hidden_out", &gather_aux_hidden_out_entry<gather_aux_hidden_cuda>);
+STABLE_TORCH_LIBRARY_IMPL(qspec_ext, CUDA, m) {
+  m.impl("gather_aux_hidden", TORCH_BOX((&gather_aux_hidden_entry<gather_aux_hidden_cuda>)));
+  m.impl("gather_aux_hidden_out", TORCH_BOX((&gather_aux_hidden_out_entry<gather_aux_hidden_cuda>)));
 }
 
 }  // namespace qspec_ext

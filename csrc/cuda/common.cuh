@@ -8,11 +8,43 @@
 #include <utility>
 #include <vector>
 
-#include <c10/macros/Macros.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
+#include <cuda_runtime.h>
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>  // aoti_torch_get_current_cuda_stream (USE_CUDA)
+#include <torch/csrc/stable/accelerator.h>
+#include <torch/headeronly/macros/Macros.h>
+#include <torch/headeronly/util/BFloat16.h>
+#include <torch/headeronly/util/Half.h>
+
+#include "torch_stable.h"
+
+// A CUDA runtime call that must succeed, as a RuntimeError naming the error.
+#define QSPEC_CUDA_CHECK(expr)                                                                             \
+  do {                                                                                                     \
+    const cudaError_t qspec_error = (expr);                                                                \
+    if (qspec_error != cudaSuccess) [[unlikely]]                                                           \
+      throw std::runtime_error(::qspec_ext::concat("qspec_ext: CUDA error: ", cudaGetErrorString(qspec_error), \
+                                                   " (", #expr, " at ", __FILE__, ":", __LINE__, ")"));    \
+  } while (0)
+// After a launch: a launch that failed (a bad configuration, an earlier kernel's fault) raises.
+#define QSPEC_KERNEL_LAUNCH_CHECK() QSPEC_CUDA_CHECK(cudaGetLastError())
 
 namespace qspec_ext::cuda {
+
+// What a kernel launch on t's device needs: that device made current for the scope (CUDAGuard) and
+// torch's current stream on it.
+class DeviceContext {
+ public:
+  explicit DeviceContext(const Tensor& t) : guard_(t.get_device_index()) {
+    void* stream = nullptr;
+    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(t.get_device_index(), &stream));
+    stream_ = static_cast<cudaStream_t>(stream);
+  }
+  cudaStream_t stream() const { return stream_; }
+
+ private:
+  torch::stable::accelerator::DeviceGuard guard_;
+  cudaStream_t stream_;
+};
 
 constexpr int kWarpSize = 32;
 

@@ -6,11 +6,6 @@
 //    lanes: any even head_dim up to 512 and any rotary_dim work, with no shuffle inside
 //    a divergent branch (the partial-rotary bug seen in other implementations). Lanes
 //    read elements other lanes staged only after a __syncwarp().
-#include <ATen/ops/empty.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
 
 #include "checks.h"
 #include "common.cuh"
@@ -224,88 +219,88 @@ __global__ void __launch_bounds__(kWarpsPerBlock* kWarpSize) qk_norm_rope_kernel
 
 }  // namespace
 
-void rms_norm_cuda(const at::Tensor& rows, const at::Tensor& weight, double eps, at::Tensor& out) {
-  const c10::cuda::CUDAGuard guard(rows.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+void rms_norm_cuda(const Tensor& rows, const Tensor& weight, double eps, Tensor& out) {
+  const cuda::DeviceContext context(rows);
+  const cudaStream_t stream = context.stream();
   const int64_t width = rows.size(1);
   QSPEC_DISPATCH_ACTIVATION(rows.scalar_type(), "rms_norm_cuda", [&] {
-    const int vec = pick_vec<scalar_t>(width, {{rows.const_data_ptr(), rows.stride(0)}, {out.data_ptr(), width}});
+    const int vec = pick_vec<scalar_t>(width, {{rows.const_data_ptr(), rows.stride(0)}, {out.mutable_data_ptr(), width}});
     with_vec<scalar_t>(vec, [&](auto V) {
       rms_norm_kernel<scalar_t, decltype(V)::value><<<rows.size(0), row_threads(width, V), 0, stream>>>(
-          rows.const_data_ptr<scalar_t>(), rows.stride(0), out.data_ptr<scalar_t>(), weight.const_data_ptr(),
-          weight.scalar_type() == at::kFloat, static_cast<int>(width), static_cast<float>(eps));
+          rows.const_data_ptr<scalar_t>(), rows.stride(0), out.mutable_data_ptr<scalar_t>(), weight.const_data_ptr(),
+          weight.scalar_type() == kFloat, static_cast<int>(width), static_cast<float>(eps));
     });
   });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  QSPEC_KERNEL_LAUNCH_CHECK();
 }
 
-void fused_add_rms_norm_cuda(at::Tensor& in_rows, at::Tensor& res_rows, const at::Tensor& weight, double eps) {
-  const c10::cuda::CUDAGuard guard(in_rows.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+void fused_add_rms_norm_cuda(Tensor& in_rows, Tensor& res_rows, const Tensor& weight, double eps) {
+  const cuda::DeviceContext context(in_rows);
+  const cudaStream_t stream = context.stream();
   const int64_t width = in_rows.size(1);
   QSPEC_DISPATCH_ACTIVATION(in_rows.scalar_type(), "fused_add_rms_norm_cuda", [&] {
     const int vec = pick_vec<scalar_t>(
-        width, {{in_rows.data_ptr(), in_rows.stride(0)}, {res_rows.data_ptr(), res_rows.stride(0)}});
+        width, {{in_rows.mutable_data_ptr(), in_rows.stride(0)}, {res_rows.mutable_data_ptr(), res_rows.stride(0)}});
     with_vec<scalar_t>(vec, [&](auto V) {
       fused_add_rms_norm_kernel<scalar_t, decltype(V)::value><<<in_rows.size(0), row_threads(width, V), 0, stream>>>(
-          in_rows.data_ptr<scalar_t>(), in_rows.stride(0), res_rows.data_ptr<scalar_t>(), res_rows.stride(0),
-          weight.const_data_ptr(), weight.scalar_type() == at::kFloat, static_cast<int>(width),
+          in_rows.mutable_data_ptr<scalar_t>(), in_rows.stride(0), res_rows.mutable_data_ptr<scalar_t>(), res_rows.stride(0),
+          weight.const_data_ptr(), weight.scalar_type() == kFloat, static_cast<int>(width),
           static_cast<float>(eps));
     });
   });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  QSPEC_KERNEL_LAUNCH_CHECK();
 }
 
-void eagle3_input_norm_cuda(const at::Tensor& embeds, const at::Tensor& hidden, const at::Tensor& embed_weight,
-                            const at::Tensor& hidden_weight, double eps, bool norm_before_residual, at::Tensor& x,
-                            at::Tensor& residual) {
+void eagle3_input_norm_cuda(const Tensor& embeds, const Tensor& hidden, const Tensor& embed_weight,
+                            const Tensor& hidden_weight, double eps, bool norm_before_residual, Tensor& x,
+                            Tensor& residual) {
   const int64_t rows = embeds.size(0), width = embeds.size(1);
-  const c10::cuda::CUDAGuard guard(embeds.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const cuda::DeviceContext context(embeds);
+  const cudaStream_t stream = context.stream();
   QSPEC_DISPATCH_ACTIVATION(embeds.scalar_type(), "eagle3_input_norm_cuda", [&] {
     const int vec = pick_vec<scalar_t>(width, {{embeds.const_data_ptr(), embeds.stride(0)},
                                                {hidden.const_data_ptr(), hidden.stride(0)},
-                                               {x.data_ptr(), 2 * width},
-                                               {residual.data_ptr(), width}});
+                                               {x.mutable_data_ptr(), 2 * width},
+                                               {residual.mutable_data_ptr(), width}});
     with_vec<scalar_t>(vec, [&](auto V) {
       eagle3_input_norm_kernel<scalar_t, decltype(V)::value><<<rows, row_threads(width, V), 0, stream>>>(
           embeds.const_data_ptr<scalar_t>(), embeds.stride(0), hidden.const_data_ptr<scalar_t>(), hidden.stride(0),
-          x.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(), embed_weight.const_data_ptr(),
-          embed_weight.scalar_type() == at::kFloat, hidden_weight.const_data_ptr(),
-          hidden_weight.scalar_type() == at::kFloat, static_cast<int>(width), static_cast<float>(eps),
+          x.mutable_data_ptr<scalar_t>(), residual.mutable_data_ptr<scalar_t>(), embed_weight.const_data_ptr(),
+          embed_weight.scalar_type() == kFloat, hidden_weight.const_data_ptr(),
+          hidden_weight.scalar_type() == kFloat, static_cast<int>(width), static_cast<float>(eps),
           norm_before_residual);
     });
   });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  QSPEC_KERNEL_LAUNCH_CHECK();
 }
 
-void qk_norm_rope_cuda(at::Tensor& qkv, const std::optional<at::Tensor>& q_weight,
-                       const std::optional<at::Tensor>& k_weight, const at::Tensor& cos_sin_cache,
-                       const at::Tensor& positions, double eps, bool is_neox, const std::optional<at::Tensor>& k_cache,
-                       const std::optional<at::Tensor>& v_cache, const std::optional<at::Tensor>& slot_mapping,
+void qk_norm_rope_cuda(Tensor& qkv, const std::optional<Tensor>& q_weight,
+                       const std::optional<Tensor>& k_weight, const Tensor& cos_sin_cache,
+                       const Tensor& positions, double eps, bool is_neox, const std::optional<Tensor>& k_cache,
+                       const std::optional<Tensor>& v_cache, const std::optional<Tensor>& slot_mapping,
                        const QKNormRopeShape& s) {
   if (s.num_tokens == 0) return;
   const int64_t num_heads_q = s.num_heads_q, num_heads_kv = s.num_heads_kv, head_dim = s.head_dim;
-  const c10::cuda::CUDAGuard guard(qkv.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const cuda::DeviceContext context(qkv);
+  const cudaStream_t stream = context.stream();
   const int64_t heads_per_token = num_heads_q + num_heads_kv + (s.has_cache ? num_heads_kv : 0);
   const int64_t blocks = (s.num_tokens * heads_per_token + kWarpsPerBlock - 1) / kWarpsPerBlock;
   QSPEC_DISPATCH_ACTIVATION(qkv.scalar_type(), "qk_norm_rope_cuda", [&] {
     QKNormRopeArgs<scalar_t> a{};
-    a.qkv = qkv.data_ptr<scalar_t>();
+    a.qkv = qkv.mutable_data_ptr<scalar_t>();
     a.qkv_stride = qkv.stride(0);
     a.q_weight = s.has_norm ? q_weight->const_data_ptr() : nullptr;
     a.k_weight = s.has_norm ? k_weight->const_data_ptr() : nullptr;
-    a.weight_f32 = s.has_norm && q_weight->scalar_type() == at::kFloat;
+    a.weight_f32 = s.has_norm && q_weight->scalar_type() == kFloat;
     a.cos_sin = cos_sin_cache.const_data_ptr();
-    a.cos_sin_f32 = cos_sin_cache.scalar_type() == at::kFloat;
+    a.cos_sin_f32 = cos_sin_cache.scalar_type() == kFloat;
     a.positions = positions.const_data_ptr();
-    a.positions_i64 = positions.scalar_type() == at::kLong;
+    a.positions_i64 = positions.scalar_type() == kLong;
     if (s.has_cache) {
       a.slot_mapping = slot_mapping->const_data_ptr();
-      a.slots_i64 = slot_mapping->scalar_type() == at::kLong;
-      a.k_cache = k_cache->data_ptr<scalar_t>();
-      a.v_cache = v_cache->data_ptr<scalar_t>();
+      a.slots_i64 = slot_mapping->scalar_type() == kLong;
+      a.k_cache = k_cache->mutable_data_ptr<scalar_t>();
+      a.v_cache = v_cache->mutable_data_ptr<scalar_t>();
       a.k_slot_stride = k_cache->stride(0);
       a.k_head_stride = k_cache->stride(1);
       a.v_slot_stride = v_cache->stride(0);
@@ -322,22 +317,22 @@ void qk_norm_rope_cuda(at::Tensor& qkv, const std::optional<at::Tensor>& q_weigh
     a.is_neox = is_neox;
     a.has_cache = s.has_cache;
     // Pairs of elements load with one access when every row start is pair-aligned.
-    const bool pairs = pick_vec<scalar_t>(2, {{qkv.data_ptr(), qkv.stride(0)}}) >= 2;
+    const bool pairs = pick_vec<scalar_t>(2, {{qkv.mutable_data_ptr(), qkv.stride(0)}}) >= 2;
     if (pairs) {
       qk_norm_rope_kernel<scalar_t, 2><<<blocks, kWarpsPerBlock * kWarpSize, 0, stream>>>(a);
     } else {
       qk_norm_rope_kernel<scalar_t, 1><<<blocks, kWarpsPerBlock * kWarpSize, 0, stream>>>(a);
     }
   });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  QSPEC_KERNEL_LAUNCH_CHECK();
 }
 
-TORCH_LIBRARY_IMPL(qspec_ext, CUDA, m) {
-  constexpr auto cuda = c10::DeviceType::CUDA;
-  m.impl("rms_norm", &rms_norm_entry<cuda, rms_norm_cuda>);
-  m.impl("fused_add_rms_norm_", &fused_add_rms_norm_entry<cuda, fused_add_rms_norm_cuda>);
-  m.impl("eagle3_input_norm", &eagle3_input_norm_entry<cuda, eagle3_input_norm_cuda>);
-  m.impl("qk_norm_rope_", &qk_norm_rope_entry<cuda, qk_norm_rope_cuda>);
+STABLE_TORCH_LIBRARY_IMPL(qspec_ext, CUDA, m) {
+  constexpr auto cuda = DeviceType::CUDA;
+  m.impl("rms_norm", TORCH_BOX((&rms_norm_entry<cuda, rms_norm_cuda>)));
+  m.impl("fused_add_rms_norm_", TORCH_BOX((&fused_add_rms_norm_entry<cuda, fused_add_rms_norm_cuda>)));
+  m.impl("eagle3_input_norm", TORCH_BOX((&eagle3_input_norm_entry<cuda, eagle3_input_norm_cuda>)));
+  m.impl("qk_norm_rope_", TORCH_BOX((&qk_norm_rope_entry<cuda, qk_norm_rope_cuda>)));
 }
 
 }  // namespace qspec_ext

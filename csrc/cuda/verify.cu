@@ -24,11 +24,6 @@
 //  - the draw's chunk sums get the same treatment (chunks of a split summed by its block).
 // bench_verify.py's B = 1 / 8, K = 3 / 7, V = 151936 rows show the gap this closes (% of
 // copy bandwidth on a GPU).
-#include <ATen/ops/empty.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
 
 #include "checks.h"
 #include "common.cuh"
@@ -403,60 +398,60 @@ __global__ void tree_walk_kernel(const TreeVerifyParams<T> p) {
 
 }  // namespace
 
-void verify_cuda(std::string_view op, const at::Tensor& draft_ids, const std::optional<at::Tensor>& draft_probs,
-                 const at::Tensor& target_logits, const std::optional<at::Tensor>& temperature,
-                 const std::optional<at::Tensor>& seed, const std::optional<at::Tensor>& offset,
-                 const std::optional<at::Tensor>& d2t, const std::optional<at::Tensor>& num_draft,
-                 const VerifyShape& s, at::Tensor& out_ids, at::Tensor& num_accepted) {
+void verify_cuda(std::string_view op, const Tensor& draft_ids, const std::optional<Tensor>& draft_probs,
+                 const Tensor& target_logits, const std::optional<Tensor>& temperature,
+                 const std::optional<Tensor>& seed, const std::optional<Tensor>& offset,
+                 const std::optional<Tensor>& d2t, const std::optional<Tensor>& num_draft,
+                 const VerifyShape& s, Tensor& out_ids, Tensor& num_accepted) {
   QSPEC_CHECK(target_logits.is_cuda(), op, "target_logits", "must be a CUDA tensor for the CUDA kernel, got ",
               target_logits.device());
   if (s.batch == 0) return;
-  const c10::cuda::CUDAGuard guard(target_logits.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  at::Tensor rows = verify_rows_workspace(s, target_logits);
+  const cuda::DeviceContext context(target_logits);
+  const cudaStream_t stream = context.stream();
+  Tensor rows = verify_rows_workspace(s, target_logits);
   QSPEC_DISPATCH_ACTIVATION(target_logits.scalar_type(), "verify_cuda", [&] {
     const VerifyParams<scalar_t> p = verify_params<scalar_t>(draft_ids, draft_probs, target_logits, temperature, seed,
                                                              offset, d2t, num_draft, s, rows, out_ids, num_accepted);
     // 1-D grids: B * (K + 1) <= 2^31 - 1 is checked with the shapes.
     row_stats_kernel<scalar_t><<<s.batch * (s.num_draft_max + 1), kThreads, 0, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    QSPEC_KERNEL_LAUNCH_CHECK();
     emit_kernel<scalar_t><<<s.batch, kThreads, 0, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    QSPEC_KERNEL_LAUNCH_CHECK();
   });
 }
 
-void verify_tree_cuda(std::string_view op, const at::Tensor& draft_ids, const at::Tensor& parents,
-                      const at::Tensor& target_logits, const std::optional<at::Tensor>& temperature,
-                      const std::optional<at::Tensor>& seed, const std::optional<at::Tensor>& offset,
-                      const TreeVerifyShape& s, at::Tensor& out_ids, at::Tensor& num_accepted, at::Tensor& path) {
+void verify_tree_cuda(std::string_view op, const Tensor& draft_ids, const Tensor& parents,
+                      const Tensor& target_logits, const std::optional<Tensor>& temperature,
+                      const std::optional<Tensor>& seed, const std::optional<Tensor>& offset,
+                      const TreeVerifyShape& s, Tensor& out_ids, Tensor& num_accepted, Tensor& path) {
   QSPEC_CHECK(target_logits.is_cuda(), op, "target_logits", "must be a CUDA tensor for the CUDA kernel, got ",
               target_logits.device());
   if (s.batch == 0) return;
-  const c10::cuda::CUDAGuard guard(target_logits.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  at::Tensor tokens = at::empty({s.batch, s.num_nodes + 1}, draft_ids.options());
+  const cuda::DeviceContext context(target_logits);
+  const cudaStream_t stream = context.stream();
+  Tensor tokens = empty({s.batch, s.num_nodes + 1}, draft_ids);
   QSPEC_DISPATCH_ACTIVATION(target_logits.scalar_type(), "verify_tree_cuda", [&] {
     const TreeVerifyParams<scalar_t> p = tree_verify_params<scalar_t>(draft_ids, parents, target_logits, temperature,
                                                                      seed, offset, s, tokens, out_ids, num_accepted,
                                                                      path);
     // 1-D grids: B * (N + 1) <= 2^31 - 1 is checked with the shapes.
     tree_token_kernel<scalar_t><<<s.batch * (s.num_nodes + 1), kThreads, 0, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    QSPEC_KERNEL_LAUNCH_CHECK();
     constexpr int kWalkThreads = 128;
     tree_walk_kernel<scalar_t><<<(s.batch + kWalkThreads - 1) / kWalkThreads, kWalkThreads, 0, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    QSPEC_KERNEL_LAUNCH_CHECK();
   });
 }
 
-TORCH_LIBRARY_IMPL(qspec_ext, CUDA, m) {
-  m.impl("verify_greedy", &verify_greedy_entry<verify_cuda>);
-  m.impl("verify_greedy_out", &verify_greedy_out_entry<verify_cuda>);
-  m.impl("verify_sampling", &verify_sampling_entry<verify_cuda>);
-  m.impl("verify_sampling_out", &verify_sampling_out_entry<verify_cuda>);
-  m.impl("verify_tree_greedy", &verify_tree_greedy_entry<verify_tree_cuda>);
-  m.impl("verify_tree_greedy_out", &verify_tree_greedy_out_entry<verify_tree_cuda>);
-  m.impl("verify_tree_sampling", &verify_tree_sampling_entry<verify_tree_cuda>);
-  m.impl("verify_tree_sampling_out", &verify_tree_sampling_out_entry<verify_tree_cuda>);
+STABLE_TORCH_LIBRARY_IMPL(qspec_ext, CUDA, m) {
+  m.impl("verify_greedy", TORCH_BOX((&verify_greedy_entry<verify_cuda>)));
+  m.impl("verify_greedy_out", TORCH_BOX((&verify_greedy_out_entry<verify_cuda>)));
+  m.impl("verify_sampling", TORCH_BOX((&verify_sampling_entry<verify_cuda>)));
+  m.impl("verify_sampling_out", TORCH_BOX((&verify_sampling_out_entry<verify_cuda>)));
+  m.impl("verify_tree_greedy", TORCH_BOX((&verify_tree_greedy_entry<verify_tree_cuda>)));
+  m.impl("verify_tree_greedy_out", TORCH_BOX((&verify_tree_greedy_out_entry<verify_tree_cuda>)));
+  m.impl("verify_tree_sampling", TORCH_BOX((&verify_tree_sampling_entry<verify_tree_cuda>)));
+  m.impl("verify_tree_sampling_out", TORCH_BOX((&verify_tree_sampling_out_entry<verify_tree_cuda>)));
 }
 
 }  // namespace qspec_ext

@@ -5,14 +5,33 @@ documented wrapper for each, and :mod:`qspec_ext.reference` the pure-PyTorch spe
 """
 
 import sys
+from pathlib import Path
 
 import torch
 
+# The compiled ops are on torch's stable ABI as of this version: one build loads in it and every later torch.
+TORCH_TARGET = (2, 10)
+
+
+def _load_cuda_kernels() -> bool:
+    """The CUDA kernels are a library of their own, _C_cuda.so, loaded where torch is a CUDA build (a
+    CPU build of torch, vLLM's for one, has no libtorch_cuda for it to link)."""
+    if not _C.with_cuda or torch.version.cuda is None:
+        return False
+    torch.ops.load_library(str(Path(__file__).with_name("_C_cuda.so")))
+    return True
+
+
 try:
+    if tuple(int(p) for p in torch.__version__.split(".")[:2]) < TORCH_TARGET:
+        raise ImportError(f"it needs torch >= {TORCH_TARGET[0]}.{TORCH_TARGET[1]} (the stable ABI it is built on)")
     from . import _C
-except ImportError as error:  # built against another torch (or a broken install)
+
+    CUDA_KERNELS = _load_cuda_kernels()
+except (ImportError, OSError) as error:  # a torch too old, a broken install or build
+    CUDA_KERNELS = False
     EXTENSION_PROBLEM = (f"qspec_ext's compiled extension does not load with torch {torch.__version__}: {error}. "
-                         "Rebuild it against this torch: pip install --no-build-isolation qspec_ext")
+                         "Reinstall or rebuild it: pip install --no-build-isolation qspec_ext")
     if "vllm.plugins" not in sys.modules:
         raise ImportError(EXTENSION_PROBLEM) from error
     # Inside vLLM's plugin loader the package stays importable (without its API), so the plugin can log
@@ -86,15 +105,18 @@ __all__ = [
 
 
 def build_info() -> dict:
-    """What this installation was built with (package version, torch versions, CUDA archs) and what
-    its CPU kernels use here (``cpu_bf16_dot``: AVX512-BF16 in bf16 ``packed_linear`` and
+    """What this installation was built with (package version, the ABI and the torch versions it is
+    for, CUDA archs) and what its kernels use here (``cuda_kernels``: compiled in and loaded, torch
+    being a CUDA build; ``cpu_bf16_dot``: AVX512-BF16 in bf16 ``packed_linear`` and
     ``cached_attention``; ``cpu_amx``: AMX tiles in bf16 ``packed_linear``; ``cpu_avx512``: AVX-512 in
     fp32 ``cached_attention``)."""
     return {
         "version": _C.version,
         "torch_version": torch.__version__,
         "built_with_torch": _C.built_with_torch,
-        "cuda_kernels": _C.with_cuda,
+        "abi": f"LibTorch stable ABI, torch >= {_C.torch_target_version}; CPython abi3",
+        "torch_versions": f">={_C.torch_target_version}",
+        "cuda_kernels": CUDA_KERNELS,
         "cuda_archs": [a for a in _C.cuda_archs.split(",") if a],
         "cuda_available": torch.cuda.is_available(),
         "cpu_bf16_dot": _C.cpu_bf16_dot(),

@@ -29,7 +29,7 @@ from collections import Counter
 import torch
 from torch import Tensor
 
-from .. import EXTENSION_PROBLEM
+from .. import CUDA_KERNELS, EXTENSION_PROBLEM
 
 if EXTENSION_PROBLEM is None:  # else register() only logs why and leaves vLLM stock
     from .. import _C, ops
@@ -58,7 +58,7 @@ def enabled_seams() -> tuple[str, ...]:
     return () if "all" in names else tuple(s for s in SEAMS if s not in names)
 
 
-def incompatibility(vllm_version: str, torch_version: str, built_with_torch: str) -> str | None:
+def incompatibility(vllm_version: str, torch_version: str, torch_target: str) -> str | None:
     """Why the seams must not be installed (None: they may)."""
     try:
         major, minor = (int(p) for p in vllm_version.split(".")[:2])
@@ -68,10 +68,14 @@ def incompatibility(vllm_version: str, torch_version: str, built_with_torch: str
     if not first <= (major, minor) < last:
         return (f"vLLM {vllm_version} is outside the tested range {first[0]}.{first[1]} to "
                 f"{last[0]}.{last[1] - 1}")
-    if torch_version.split("+")[0] != built_with_torch.split("+")[0]:
-        return (f"qspec_ext was built with torch {built_with_torch}, this process runs torch {torch_version} "
-                "(rebuild it here: pip install --no-build-isolation qspec_ext)")
+    if _major_minor(torch_version) < _major_minor(torch_target):
+        return f"qspec_ext needs torch >= {torch_target} (its stable ABI), this process runs torch {torch_version}"
     return None
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
 
 
 def register() -> None:
@@ -81,7 +85,7 @@ def register() -> None:
     import vllm
 
     log = _logger()
-    problem = EXTENSION_PROBLEM or incompatibility(vllm.__version__, torch.__version__, _C.built_with_torch)
+    problem = EXTENSION_PROBLEM or incompatibility(vllm.__version__, torch.__version__, _C.torch_target_version)
     if problem:
         _state["seams"] = ()
         log.warning("qspec_ext: leaving vLLM stock: %s", problem)
@@ -108,7 +112,7 @@ def installed_seams() -> tuple[str, ...]:
 
 
 def _our_device(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" or (t.device.type == "cuda" and bool(_C.with_cuda))
+    return t.device.type == "cpu" or (t.device.type == "cuda" and CUDA_KERNELS)
 
 
 def _fits_rows(x: torch.Tensor) -> bool:

@@ -1,0 +1,111 @@
+// What the C++ side uses of torch: the LibTorch stable ABI (torch/csrc/stable, targeting 2.10, so
+// one binary loads in every torch from 2.10 on), plus the few things it lacks, written here:
+// readable formatting of shapes, devices and dtypes for error messages, as_strided and index_copy_
+// (through the dispatcher), a dtype switch over the activation types.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
+#include <torch/headeronly/util/BFloat16.h>
+#include <torch/headeronly/util/Half.h>
+#include <torch/headeronly/util/HeaderOnlyArrayRef.h>
+
+namespace qspec_ext {
+
+using Tensor = torch::stable::Tensor;
+using TensorList = std::vector<Tensor>;
+using ScalarType = torch::headeronly::ScalarType;
+using DeviceType = torch::headeronly::DeviceType;
+using IntList = torch::headeronly::IntHeaderOnlyArrayRef;
+constexpr ScalarType kFloat = ScalarType::Float, kHalf = ScalarType::Half, kBFloat16 = ScalarType::BFloat16,
+                     kInt = ScalarType::Int, kLong = ScalarType::Long, kBool = ScalarType::Bool,
+                     kByte = ScalarType::Byte;
+
+// Message pieces as torch prints them: shapes "[2, 8]", devices "cpu" / "cuda:0" (dtypes print "Float").
+inline std::ostream& operator<<(std::ostream& os, IntList dims) {
+  os << '[';
+  for (size_t i = 0; i < dims.size(); ++i) os << (i ? ", " : "") << dims[i];
+  return os << ']';
+}
+inline std::ostream& operator<<(std::ostream& os, const torch::stable::Device& device) {
+  if (device.is_cpu()) return os << "cpu";
+  os << (device.is_cuda() ? "cuda" : "device");
+  return device.has_index() ? os << ':' << static_cast<int>(device.index()) : os;
+}
+
+template <typename... Args>
+std::string concat(const Args&... args) {
+  std::ostringstream os;
+  ((os << args), ...);
+  return std::move(os).str();
+}
+
+}  // namespace qspec_ext
+
+// A RuntimeError in Python: "qspec_ext.<op>: argument '<arg>' <what was expected>, got <what came>".
+#define QSPEC_CHECK(cond, op, arg, ...)                                                                \
+  do {                                                                                                 \
+    if (!(cond)) [[unlikely]]                                                                          \
+      throw std::runtime_error(::qspec_ext::concat("qspec_ext.", op, ": argument '", arg, "' ", __VA_ARGS__)); \
+  } while (0)
+
+// Dispatch over the activation dtypes (fp32, fp16, bf16); binds scalar_t. NAME names the caller.
+#define QSPEC_DISPATCH_ACTIVATION(TYPE, NAME, ...)                                                    \
+  [&] {                                                                                               \
+    switch (TYPE) {                                                                                   \
+      case ::qspec_ext::kFloat: {                                                                     \
+        using scalar_t = float;                                                                       \
+        return __VA_ARGS__();                                                                         \
+      }                                                                                               \
+      case ::qspec_ext::kHalf: {                                                                      \
+        using scalar_t = c10::Half;                                                                   \
+        return __VA_ARGS__();                                                                         \
+      }                                                                                               \
+      case ::qspec_ext::kBFloat16: {                                                                  \
+        using scalar_t = c10::BFloat16;                                                               \
+        return __VA_ARGS__();                                                                         \
+      }                                                                                               \
+      default:                                                                                        \
+        throw std::runtime_error(::qspec_ext::concat(NAME, ": unexpected dtype ", TYPE));             \
+    }                                                                                                 \
+  }()
+
+namespace qspec_ext {
+
+// An op through the dispatcher (an ATen op the stable ABI has no wrapper for, or one of ours on
+// whichever device the tensors are): args in, the stack with the outputs first back.
+template <typename... Args>
+std::array<StableIValue, sizeof...(Args)> call_op(const char* name, const char* overload, const Args&... args) {
+  std::array<StableIValue, sizeof...(Args)> stack{torch::stable::detail::from(args)...};
+  STABLE_TORCH_ERROR_CODE_CHECK(torch_call_dispatcher(name, overload, stack.data(), TORCH_ABI_VERSION));
+  return stack;
+}
+template <typename... Args>
+Tensor call_aten(const char* name, const char* overload, const Args&... args) {
+  return torch::stable::detail::to<Tensor>(call_op(name, overload, args...)[0]);
+}
+
+inline Tensor as_strided(const Tensor& t, std::vector<int64_t> sizes, std::vector<int64_t> strides) {
+  return call_aten("aten::as_strided", "", t, IntList(sizes), IntList(strides), std::optional<int64_t>());
+}
+
+// A new contiguous tensor of the given shape with like's dtype (or dtype) and device.
+inline Tensor empty(std::vector<int64_t> sizes, const Tensor& like, std::optional<ScalarType> dtype = std::nullopt) {
+  return torch::stable::new_empty(like, IntList(sizes), dtype);
+}
+inline Tensor zeros(std::vector<int64_t> sizes, const Tensor& like) {
+  return torch::stable::new_zeros(like, IntList(sizes));
+}
+
+}  // namespace qspec_ext
