@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one script to run on a lent GPU machine (offline; torch, nvcc, cmake, ninja,
-# pybind11, pytest and compute-sanitizer preinstalled). Within GPU_CHECK_BUDGET seconds
+# pytest and compute-sanitizer preinstalled). Within GPU_CHECK_BUDGET seconds
 # (default 540) it runs the steps below in order; each has its own time limit, a step
 # that no longer fits is recorded as skipped, a failing one is recorded and the next
 # still runs. report.md (pass/fail per step, then the three rows furthest below the
