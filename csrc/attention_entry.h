@@ -29,8 +29,8 @@ Tensor cached_attention_entry(const Tensor& query, const Tensor& k_cache, const 
   Tensor out = empty(query.sizes().vec(), query);
   // The small index tensors may come strided (expanded positions): the kernels read them flat.
   std::optional<Tensor> start, seen;
-  if (s.has_tree) start = torch::stable::contiguous(*tree_start), seen = torch::stable::contiguous(*tree_seen);
-  impl(query, k_cache, v_cache, torch::stable::contiguous(positions), scale, window, start, seen, s, out);
+  if (s.has_tree) start = as_contiguous(*tree_start), seen = as_contiguous(*tree_seen);
+  impl(query, k_cache, v_cache, as_contiguous(positions), scale, window, start, seen, s, out);
   return out;
 }
 

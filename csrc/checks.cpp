@@ -82,7 +82,7 @@ Tensor as_rows(std::string_view op, std::string_view name, const Tensor& t) {
   const int64_t width = t.size(-1);
   QSPEC_CHECK(t.stride(-1) == 1 || width == 1, op, name, "must have a contiguous last dimension, got strides ",
               t.strides());
-  if (t.dim() == 1) return torch::stable::view(t, {1, width});
+  if (t.dim() == 1) return as_strided(t, {1, width}, {width, 1});
   if (t.numel() == 0) {  // nothing to read: any strides will do
     int64_t rows = 1;
     for (int64_t d = 0; d + 1 < t.dim(); ++d) rows *= t.size(d);

@@ -3,21 +3,40 @@
 // layer's K/V cache), cached_attention, the output projection, the second fused add and norm, the
 // gated MLP (silu_and_mul). One call per layer instead of a dozen from Python: at 30 layers the
 // Python between the ops cost about 2 ms of a 13 ms decode step (benchmarks/HISTORY.md).
-// Device-generic: the pieces go through the dispatcher (CPU or CUDA kernels), a projection through
-// packed_linear when its weight is packed (4-D, CPU), else aten::linear. Built into the CPU
-// library and (QSPEC_CUDA_LIBRARY) the CUDA one, each registering its device.
+// Built into the CPU library and (QSPEC_CUDA_LIBRARY) the CUDA one, each registering its device and
+// calling that device's op entry points directly: through the dispatcher each of a layer's dozen
+// calls would cost a boxed round trip (about a microsecond). A projection runs packed_linear when
+// its weight is packed (4-D, CPU), else aten::linear.
 #include <cmath>
 #include <optional>
 #include <string_view>
 #include <utility>
 
 
+#include "activation_entry.h"
+#include "attention_entry.h"
 #include "checks.h"
+#include "norm_rope_entry.h"
+#include "ops.h"
 
 namespace qspec_ext {
 namespace {
 
 constexpr std::string_view kOp = "decoder_layer_";
+
+#ifdef QSPEC_CUDA_LIBRARY
+constexpr DeviceType kDevice = DeviceType::CUDA;
+constexpr auto fused_add_rms_norm_ = fused_add_rms_norm_entry<kDevice, fused_add_rms_norm_cuda>;
+constexpr auto qk_norm_rope_ = qk_norm_rope_entry<kDevice, qk_norm_rope_cuda>;
+constexpr auto cached_attention = cached_attention_entry<kDevice, cached_attention_cuda>;
+constexpr auto silu_and_mul = silu_and_mul_entry<kDevice, silu_and_mul_cuda>;
+#else
+constexpr DeviceType kDevice = DeviceType::CPU;
+constexpr auto fused_add_rms_norm_ = fused_add_rms_norm_entry<kDevice, fused_add_rms_norm_cpu>;
+constexpr auto qk_norm_rope_ = qk_norm_rope_entry<kDevice, qk_norm_rope_cpu>;
+constexpr auto cached_attention = cached_attention_entry<kDevice, cached_attention_cpu>;
+constexpr auto silu_and_mul = silu_and_mul_entry<kDevice, silu_and_mul_cpu>;
+#endif
 
 // self.index_copy_(0, index, source), returning self.
 Tensor index_copy_(const Tensor& self, const Tensor& index, const Tensor& source) {
@@ -26,7 +45,13 @@ Tensor index_copy_(const Tensor& self, const Tensor& index, const Tensor& source
 
 // x [M, K] @ weight^T: weight [N, K] as stored, or packed (qspec_ext.models.linear.pack_weight).
 Tensor project(std::string_view name, const Tensor& x, const Tensor& weight, int64_t out_features) {
-  if (weight.dim() == 4) return call_aten("qspec_ext::packed_linear", "", x, weight, out_features);
+  if (weight.dim() == 4) {
+#ifdef QSPEC_CUDA_LIBRARY
+    QSPEC_CHECK(false, kOp, name, "is packed (4-D), which only the CPU kernels take, got it on ", weight.device());
+#else
+    return packed_linear_cpu(x, weight, out_features);
+#endif
+  }
   QSPEC_CHECK(weight.dim() == 2 && weight.size(0) == out_features && weight.size(1) == x.size(1), kOp, name,
               "must be [", out_features, ", ", x.size(1), "] (or packed, 4-D), got ", weight.sizes());
   return call_aten("aten::linear", "", x, weight, std::optional<Tensor>());
@@ -54,7 +79,7 @@ void decoder_layer(Tensor& hidden, Tensor& residual, const Tensor& input_norm,
                 kOp, "token_rows", "must be int64 [", hidden.size(0), "] (hidden's rows) on ", hidden.device(),
                 ", got ", token_rows->scalar_type(), " ", token_rows->sizes(), " on ", token_rows->device());
     if (token_rows->is_cpu()) {  // (on CUDA the index ops below check the bounds)
-      const Tensor rows = torch::stable::contiguous(*token_rows);
+      const Tensor rows = as_contiguous(*token_rows);
       const int64_t* row = rows.const_data_ptr<int64_t>();
       for (int64_t i = 0; i < rows.numel(); ++i)
         QSPEC_CHECK(row[i] >= (i ? row[i - 1] + 1 : 0) && row[i] < grid, kOp, "token_rows",
@@ -83,7 +108,7 @@ void decoder_layer(Tensor& hidden, Tensor& residual, const Tensor& input_norm,
                 output_rows->numel(), " tokens in ", positions.size(0), " requests), got ",
                 output_positions->scalar_type(), " ", output_positions->sizes());
     if (output_rows->is_cpu()) {
-      const Tensor rows = torch::stable::contiguous(*output_rows);
+      const Tensor rows = as_contiguous(*output_rows);
       const int64_t* row = rows.const_data_ptr<int64_t>();
       for (int64_t i = 0; i < rows.numel(); ++i)
         QSPEC_CHECK(row[i] >= 0 && row[i] < hidden.size(0), kOp, "output_rows", "must be rows of hidden, in [0, ",
@@ -96,31 +121,32 @@ void decoder_layer(Tensor& hidden, Tensor& residual, const Tensor& input_norm,
     QSPEC_CHECK(size > 0, kOp, name, "must be positive, got ", size);
   const int64_t width = hidden.size(1), q_width = num_heads_q * head_dim;
 
-  call_op("qspec_ext::fused_add_rms_norm_", "", hidden, residual, input_norm, eps);  // residual += hidden; hidden = its norm
+  fused_add_rms_norm_(hidden, residual, input_norm, eps);  // residual += hidden; hidden = its norm
   Tensor qkv = project("qkv_weight", hidden, qkv_weight, q_width + 2 * num_heads_kv * head_dim);
-  call_op("qspec_ext::qk_norm_rope_", "", qkv, q_norm, k_norm, cos_sin_cache, rope_positions, num_heads_q,
-          num_heads_kv, head_dim, eps, true, std::optional<Tensor>(k_cache), std::optional<Tensor>(v_cache),
-          std::optional<Tensor>(slots));
+  qk_norm_rope_(qkv, q_norm, k_norm, cos_sin_cache, rope_positions, num_heads_q, num_heads_kv, head_dim, eps, true,
+                k_cache, v_cache, slots);
   // output_rows: only these tokens attend (at output_positions) and run the MLP. Else packed
   // tokens (token_rows): their queries go to their rows of the [B, T] grid (padding rows zero,
   // position -1: attention leaves them), and their contexts come back.
-  Tensor query = torch::stable::narrow(qkv, 1, 0, q_width);
+  Tensor query = as_strided(qkv, {qkv.size(0), q_width}, {qkv.stride(0), 1});
   const Tensor& query_positions = output_rows ? *output_positions : positions;
   if (output_rows)
     query = torch::stable::index_select(query, 0, *output_rows);
   else if (token_rows)
     query = index_copy_(zeros({grid, q_width}, query), *token_rows, query);
-  const Tensor context = call_aten(
-      "qspec_ext::cached_attention", "",
-      torch::stable::view(query, {query_positions.size(0), query_positions.size(1), num_heads_q, head_dim}), k_cache,
-      v_cache, query_positions, std::pow(double(head_dim), -0.5), int64_t{0}, tree_start, tree_seen);
-  Tensor context_rows = torch::stable::view(context, {-1, q_width});
+  // query: [rows, q_width] with unit column stride, viewed as [B, T, Hq, D]; context comes contiguous.
+  const int64_t batch = query_positions.size(0), tokens = query_positions.size(1), row_stride = query.stride(0);
+  STD_TORCH_CHECK(query.size(0) == batch * tokens);  // the argument checks above make it so
+  const Tensor context = cached_attention(
+      as_strided(query, {batch, tokens, num_heads_q, head_dim}, {tokens * row_stride, row_stride, head_dim, 1}),
+      k_cache, v_cache, query_positions, std::pow(double(head_dim), -0.5), 0, tree_start, tree_seen);
+  Tensor context_rows = as_strided(context, {batch * tokens, q_width}, {q_width, 1});
   if (token_rows && !output_rows) context_rows = torch::stable::index_select(context_rows, 0, *token_rows);
   Tensor attended = project("o_weight", context_rows, o_weight, width);
   Tensor stream = output_rows ? torch::stable::index_select(residual, 0, *output_rows) : residual;
-  call_op("qspec_ext::fused_add_rms_norm_", "", attended, stream, post_norm, eps);
+  fused_add_rms_norm_(attended, stream, post_norm, eps);
   const Tensor gate_up = project("gate_up_weight", attended, gate_up_weight, 2 * intermediate_size);
-  const Tensor out = project("down_weight", call_aten("qspec_ext::silu_and_mul", "", gate_up), down_weight, width);
+  const Tensor out = project("down_weight", silu_and_mul(gate_up), down_weight, width);
   if (!output_rows) return void(torch::stable::copy_(hidden, out));
   index_copy_(residual, *output_rows, stream);
   index_copy_(hidden, *output_rows, out);

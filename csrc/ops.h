@@ -80,6 +80,9 @@ void cached_attention_cuda(const Tensor& query, const Tensor& k_cache, const Ten
 void silu_and_mul_cpu(const Tensor& rows, Tensor& out);
 void silu_and_mul_cuda(const Tensor& rows, Tensor& out);
 
+// ---- packed_linear: the projections' CPU inference path ----
+Tensor packed_linear_cpu(const Tensor& input, const Tensor& packed_weight, int64_t out_features);
+
 // ---- the CPU's vector extensions ----
 // Whether this CPU has AVX512-BF16 (with AVX512-BW / VL) and QSPEC_CPU_BF16_DOT is not 0 (0 runs and
 // tests the other kernels on it): packed_linear's and cached_attention's bf16 kernels ask it.

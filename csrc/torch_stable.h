@@ -96,16 +96,44 @@ Tensor call_aten(const char* name, const char* overload, const Args&... args) {
   return torch::stable::detail::to<Tensor>(call_op(name, overload, args...)[0]);
 }
 
+// Views, allocation and copies straight through the C shim (a dispatcher call costs about a
+// microsecond: these run on every op call).
+
+// A view of t's memory with these sizes and strides (t's storage offset).
 inline Tensor as_strided(const Tensor& t, std::vector<int64_t> sizes, std::vector<int64_t> strides) {
-  return call_aten("aten::as_strided", "", t, IntList(sizes), IntList(strides), std::optional<int64_t>());
+  AtenTensorHandle view = nullptr;
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch__reinterpret_tensor(t.get(), static_cast<int64_t>(sizes.size()),
+                                                               sizes.data(), strides.data(), t.storage_offset(),
+                                                               &view));
+  return Tensor(view);
 }
 
 // A new contiguous tensor of the given shape with like's dtype (or dtype) and device.
 inline Tensor empty(std::vector<int64_t> sizes, const Tensor& like, std::optional<ScalarType> dtype = std::nullopt) {
-  return torch::stable::new_empty(like, IntList(sizes), dtype);
+  std::vector<int64_t> strides(sizes.size());
+  int64_t stride = 1;
+  for (size_t d = sizes.size(); d-- > 0;) {
+    strides[d] = stride;
+    stride *= std::max<int64_t>(sizes[d], 1);
+  }
+  int32_t dtype_code = 0, device_type = 0, device_index = 0;
+  if (dtype.has_value())
+    dtype_code = torch::stable::detail::to<int32_t>(torch::stable::detail::from(*dtype));
+  else
+    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(like.get(), &dtype_code));
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(like.get(), &device_type));
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_index(like.get(), &device_index));
+  AtenTensorHandle out = nullptr;
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(static_cast<int64_t>(sizes.size()), sizes.data(),
+                                                         strides.data(), dtype_code, device_type, device_index, &out));
+  return Tensor(out);
 }
 inline Tensor zeros(std::vector<int64_t> sizes, const Tensor& like) {
-  return torch::stable::new_zeros(like, IntList(sizes));
+  Tensor out = empty(std::move(sizes), like);
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_zero_(out.get()));
+  return out;
 }
+// t, or a contiguous copy where it is not.
+inline Tensor as_contiguous(const Tensor& t) { return t.is_contiguous() ? t : torch::stable::contiguous(t); }
 
 }  // namespace qspec_ext

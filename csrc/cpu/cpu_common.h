@@ -134,16 +134,28 @@ class FloatWeight {
   const float* data_ = nullptr;
 };
 
-inline int64_t read_index(const Tensor& t, int64_t i) {
-  return t.scalar_type() == kInt ? static_cast<int64_t>(t.const_data_ptr<int32_t>()[i])
-                                     : t.const_data_ptr<int64_t>()[i];
-}
+// The values of a contiguous int32 / int64 index tensor, read without asking torch per element.
+class Indices {
+ public:
+  explicit Indices(const Tensor& t)
+      : data_(t.const_data_ptr()), i64_(t.scalar_type() == kLong), size_(t.numel()) {}
+  int64_t operator[](int64_t i) const {
+    return i64_ ? static_cast<const int64_t*>(data_)[i] : static_cast<const int32_t*>(data_)[i];
+  }
+  int64_t size() const { return size_; }
+
+ private:
+  const void* data_;
+  bool i64_;
+  int64_t size_;
+};
 
 // Value checks done before any write, so a bad call leaves its outputs untouched.
 inline void check_index_range(std::string_view op, std::string_view name, const Tensor& t, int64_t lo, int64_t hi,
                        std::string_view what) {
-  for (int64_t i = 0; i < t.numel(); ++i) {
-    const int64_t v = read_index(t, i);
+  const Indices values(t);
+  for (int64_t i = 0; i < values.size(); ++i) {
+    const int64_t v = values[i];
     QSPEC_CHECK(v >= lo && v < hi, op, name, "must hold values in [", lo, ", ", hi, ") (", what, "), got ", v,
                 " at index ", i);
   }

@@ -76,8 +76,8 @@ struct QKNormRopeParams {
   const float* k_weight;  // [D] or nullptr
   const float* cos_sin_f32;  // [max_pos, rot] when the cache is fp32
   const T* cos_sin_t;  // [max_pos, rot] when the cache has the activation dtype
-  const Tensor* positions;  // [T] int32/int64, validated
-  const Tensor* slot_mapping;  // [T] or nullptr
+  const Indices* positions;  // [T], validated
+  const Indices* slot_mapping;  // [T] or nullptr
   T* k_cache;  // [num_slots, Hkv, D] strides (slot, head, 1)
   T* v_cache;
   int64_t k_cache_strides[2];
@@ -113,14 +113,14 @@ QSPEC_INLINE void qk_norm_rope_rows_impl(const QKNormRopeParams<T>& p, int64_t b
   const int D = p.head_dim;
   const int half = p.rot_dim / 2;
   for (int64_t t = begin; t < end; ++t) {
-    const int64_t pos = read_index(*p.positions, t);
+    const int64_t pos = (*p.positions)[t];
     if (p.cos_sin_f32 != nullptr) {
       std::copy_n(p.cos_sin_f32 + pos * p.rot_dim, p.rot_dim, cos_sin);
     } else {
       load_float(p.cos_sin_t + pos * p.rot_dim, cos_sin, p.rot_dim);
     }
     T* row = p.qkv + t * p.qkv_stride;
-    const int64_t slot = p.slot_mapping != nullptr ? read_index(*p.slot_mapping, t) : -1;
+    const int64_t slot = p.slot_mapping != nullptr ? (*p.slot_mapping)[t] : -1;
     for (int h = 0; h < p.num_heads_q + p.num_heads_kv; ++h) {
       const bool is_q = h < p.num_heads_q;
       T* x = row + static_cast<int64_t>(h) * D;
@@ -155,9 +155,10 @@ QSPEC_CPU_CLONES void qk_norm_rope_rows(const QKNormRopeParams<c10::BFloat16>& p
 // Two tokens written to one slot would race on CUDA (which cannot check values without a
 // host sync); the CPU rejects it so tests catch a caller that does it.
 void check_distinct_slots(std::string_view op, const Tensor& slot_mapping) {
+  const Indices values(slot_mapping);
   std::vector<int64_t> slots;
-  for (int64_t t = 0; t < slot_mapping.numel(); ++t)
-    if (read_index(slot_mapping, t) >= 0) slots.push_back(read_index(slot_mapping, t));
+  for (int64_t t = 0; t < values.size(); ++t)
+    if (values[t] >= 0) slots.push_back(values[t]);
   std::sort(slots.begin(), slots.end());
   const auto repeated = std::adjacent_find(slots.begin(), slots.end());
   QSPEC_CHECK(repeated == slots.end(), op, "slot_mapping", "must not write one cache slot twice, got slot ",
@@ -226,6 +227,8 @@ void qk_norm_rope_cpu(Tensor& qkv, const std::optional<Tensor>& q_weight,
   const std::optional<FloatWeight> qw = s.has_norm ? std::optional<FloatWeight>(*q_weight) : std::nullopt;
   const std::optional<FloatWeight> kw = s.has_norm ? std::optional<FloatWeight>(*k_weight) : std::nullopt;
   const bool cs_f32 = cos_sin_cache.scalar_type() == kFloat;
+  const Indices position_values(positions);
+  const std::optional<Indices> slot_values = s.has_cache ? std::optional<Indices>(*slot_mapping) : std::nullopt;
   QSPEC_DISPATCH_ACTIVATION(qkv.scalar_type(), "qk_norm_rope_cpu", [&] {
     QKNormRopeParams<scalar_t> p{};
     p.qkv = qkv.mutable_data_ptr<scalar_t>();
@@ -234,9 +237,9 @@ void qk_norm_rope_cpu(Tensor& qkv, const std::optional<Tensor>& q_weight,
     p.k_weight = s.has_norm ? kw->data() : nullptr;
     p.cos_sin_f32 = cs_f32 ? cos_sin_cache.const_data_ptr<float>() : nullptr;
     p.cos_sin_t = cs_f32 ? nullptr : cos_sin_cache.const_data_ptr<scalar_t>();
-    p.positions = &positions;
+    p.positions = &position_values;
     if (s.has_cache) {
-      p.slot_mapping = &*slot_mapping;
+      p.slot_mapping = &*slot_values;
       p.k_cache = k_cache->mutable_data_ptr<scalar_t>();
       p.v_cache = v_cache->mutable_data_ptr<scalar_t>();
       p.k_cache_strides[0] = k_cache->stride(0);

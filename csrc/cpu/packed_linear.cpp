@@ -432,6 +432,8 @@ const bool kBf16Dot = detect_bf16_dot();
 const bool kAvx512 = detect_avx512();
 const bool kAmx = kBf16Dot && detect_amx();
 
+}  // namespace
+
 Tensor packed_linear_cpu(const Tensor& input, const Tensor& packed_weight, int64_t out_features) {
   QSPEC_CHECK(input.dim() == 2, kOp, "input", "must be 2-D [rows, in_features], got ", input.dim(), "-D ",
               input.sizes());
@@ -457,7 +459,7 @@ Tensor packed_linear_cpu(const Tensor& input, const Tensor& packed_weight, int64
   if (M == 0 || K == 0) return torch::stable::zero_(out);
 #if QSPEC_BF16_DOT
   if (input.scalar_type() == kBFloat16 && kBf16Dot) {
-    const Tensor x = input.stride(1) == 1 ? input : torch::stable::contiguous(input);
+    const Tensor x = input.stride(1) == 1 ? input : as_contiguous(input);
     const auto* rows = reinterpret_cast<const uint16_t*>(x.const_data_ptr<c10::BFloat16>());
     const auto* packed = reinterpret_cast<const uint16_t*>(packed_weight.const_data_ptr<c10::BFloat16>());
     auto* result = out.mutable_data_ptr<c10::BFloat16>();
@@ -469,7 +471,8 @@ Tensor packed_linear_cpu(const Tensor& input, const Tensor& packed_weight, int64
   }
 #endif
   // The rows in fp32 with unit column stride (a bf16 input is widened once, not per panel).
-  const Tensor x = input.scalar_type() == kFloat && input.stride(1) == 1 ? input : torch::stable::contiguous(torch::stable::to(input, kFloat));
+  const Tensor x =
+      input.scalar_type() == kFloat && input.stride(1) == 1 ? input : as_contiguous(torch::stable::to(input, kFloat));
   if (input.scalar_type() == kFloat)
     packed_gemm(x.const_data_ptr<float>(), x.stride(0), packed_weight.const_data_ptr<float>(), M, K, N,
                 out.mutable_data_ptr<float>());
@@ -478,8 +481,6 @@ Tensor packed_linear_cpu(const Tensor& input, const Tensor& packed_weight, int64
                 out.mutable_data_ptr<c10::BFloat16>());
   return out;
 }
-
-}  // namespace
 
 STABLE_TORCH_LIBRARY_IMPL(qspec_ext, CPU, m) { m.impl("packed_linear", TORCH_BOX((&packed_linear_cpu))); }
 

@@ -286,19 +286,22 @@ void check_verify_values(std::string_view op, const Tensor& draft_ids, const Ver
   if (num_draft.has_value())
     check_index_range(op, "num_draft", *num_draft, 0, s.num_draft_max + 1, "drafts per request, at most K");
   const int64_t* ids = draft_ids.const_data_ptr<int64_t>();
+  const int64_t row_stride = draft_ids.stride(0), col_stride = draft_ids.stride(1);
+  const std::optional<Indices> drafts = num_draft.has_value() ? std::optional<Indices>(*num_draft) : std::nullopt;
   for (int64_t b = 0; b < s.batch; ++b) {
-    const int64_t n = num_draft.has_value() ? read_index(*num_draft, b) : s.num_draft_max;
+    const int64_t n = drafts.has_value() ? (*drafts)[b] : s.num_draft_max;
     for (int64_t i = 0; i < n; ++i) {
-      const int64_t x = ids[b * draft_ids.stride(0) + i * draft_ids.stride(1)];
+      const int64_t x = ids[b * row_stride + i * col_stride];
       QSPEC_CHECK(x >= 0 && x < s.vocab, op, "draft_ids", "must hold target-vocab ids in [0, ", s.vocab, "), got ",
                   x, " at [", b, ", ", i, "]");
     }
   }
   check_temperatures(op, temperature, s.batch);
   if (d2t.has_value()) {
+    const Indices offsets(*d2t);
     int64_t previous = -1;
     for (int64_t d = 0; d < s.draft_vocab; ++d) {
-      const int64_t target = d + read_index(*d2t, d);
+      const int64_t target = d + offsets[d];
       QSPEC_CHECK(target >= 0 && target < s.vocab, op, "d2t", "must map every draft id into [0, ", s.vocab,
                   "), got draft id ", d, " -> ", target);
       QSPEC_CHECK(target > previous, op, "d2t",
@@ -344,17 +347,19 @@ void check_tree_values(std::string_view op, const Tensor& draft_ids, const Tenso
                        const TreeVerifyShape& s, const std::optional<Tensor>& temperature) {
   const int64_t N = s.num_nodes;
   const int64_t* ids = draft_ids.const_data_ptr<int64_t>();
+  const int64_t row_stride = draft_ids.stride(0), col_stride = draft_ids.stride(1);
+  const Indices parent_of(parents);
   for (int64_t b = 0; b < s.batch; ++b)
     for (int64_t i = 0; i < N; ++i) {
-      const int64_t parent = read_index(parents, b * N + i);
+      const int64_t parent = parent_of[b * N + i];
       QSPEC_CHECK(parent >= -1 && parent <= i, op, "parents",
                   "must hold the parent of node i + 1 in [0, i] (nodes in topological order) or -1 (unused), got ",
                   parent, " at [", b, ", ", i, "]");
       if (parent == -1) continue;
-      QSPEC_CHECK(parent == 0 || read_index(parents, b * N + parent - 1) != -1, op, "parents",
+      QSPEC_CHECK(parent == 0 || parent_of[b * N + parent - 1] != -1, op, "parents",
                   "must not hang a node under an unused one: node ", i + 1, " has parent ", parent,
                   ", which is unused, at [", b, ", ", i, "]");
-      const int64_t x = ids[b * draft_ids.stride(0) + i * draft_ids.stride(1)];
+      const int64_t x = ids[b * row_stride + i * col_stride];
       QSPEC_CHECK(x >= 0 && x < s.vocab, op, "draft_ids", "must hold target-vocab ids in [0, ", s.vocab,
                   ") at used nodes, got ", x, " at [", b, ", ", i, "]");
     }
