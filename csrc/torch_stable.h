@@ -99,11 +99,12 @@ Tensor call_aten(const char* name, const char* overload, const Args&... args) {
 // Views, allocation and copies straight through the C shim (a dispatcher call costs about a
 // microsecond: these run on every op call).
 
-// A view of t's memory with these sizes and strides (t's storage offset).
+// A view of t's memory from its first element with these sizes and strides.
 inline Tensor as_strided(const Tensor& t, std::vector<int64_t> sizes, std::vector<int64_t> strides) {
   AtenTensorHandle view = nullptr;
+  constexpr int64_t kOffsetIncrement = 0;  // added to t's storage offset
   STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch__reinterpret_tensor(t.get(), static_cast<int64_t>(sizes.size()),
-                                                               sizes.data(), strides.data(), t.storage_offset(),
+                                                               sizes.data(), strides.data(), kOffsetIncrement,
                                                                &view));
   return Tensor(view);
 }

@@ -359,7 +359,7 @@ MUTANTS = [
            "LaneIndex8{0, 1, 8, 9, 4, 5, 12, 13}", "LaneIndex8{0, 1, 8, 9, 12, 13, 4, 5}",
            ("tests/test_attention.py::test_chains_match_the_reference",)),
     Mutant("decoder_layer_output_rows_residual_not_written_back", "csrc/decoder_layer.cpp",
-           "  residual.index_copy_(0, *output_rows, stream);\n", "",
+           "  index_copy_(residual, *output_rows, stream);\n", "",
            ("tests/test_decoder_layer.py::test_output_rows_finish_only_those_rows",)),
     # The grouped kernel (fewer than 8 queries per KV head, head_dim % 16 == 0, AVX-512).
     Mutant("attention_grouped_tree_scratch_slots_all_seen", "csrc/cpu/attention.cpp",
@@ -456,6 +456,10 @@ MUTANTS = [
     Mutant("attention_lanes_fp32_last_dim_unweighted", "csrc/cpu/attention.cpp",
            "for (; d0 < D; ++d0) weigh_values<1>", "for (; d0 < D - 1; ++d0) weigh_values<1>",
            ("tests/test_attention.py::test_chains_match_the_reference",)),
+    # The stable ABI's view helper: the offset it takes is added to the tensor's own.
+    Mutant("row_views_start_at_twice_the_offset", "csrc/torch_stable.h",
+           "constexpr int64_t kOffsetIncrement = 0;", "const int64_t kOffsetIncrement = t.storage_offset();",
+           ("tests/test_norm_rope.py::test_views_that_start_inside_their_storage",)),
     # The work split of at::parallel_for: a part's bounds taken as if it were the whole range
     # (only two threads tell; the rest of the suite may run on one thread per worker).
     Mutant("rms_norm_part_starts_at_row_0", "csrc/cpu/norm_rope.cpp",
@@ -476,8 +480,8 @@ MUTANTS = [
            ("tests/test_threads.py",)),
     # Prefills run their tokens packed; the last layer runs for the last tokens only.
     Mutant("packed_contexts_taken_from_the_first_grid_rows", "csrc/decoder_layer.cpp",
-           "context_rows = context_rows.index_select(0, *token_rows);",
-           "context_rows = context_rows.narrow(0, 0, token_rows->size(0));",
+           "context_rows = torch::stable::index_select(context_rows, 0, *token_rows);",
+           "context_rows = torch::stable::narrow(context_rows, 0, 0, token_rows->size(0));",
            (DECODER_LAYER + "test_packed_tokens_match_their_rows_of_the_grid",)),
     Mutant("packed_capture_gathered_by_grid_rows", f"{PKG}/capture.py",
            "        if self._packed_row is not None:\n", "        if False:\n",
@@ -518,11 +522,11 @@ MUTANTS = [
            "        return _copied(fn(*args, **kwargs))\n", "        return fn(*args, **kwargs)\n",
            ("tests/test_compiled.py::test_cuda_graph_results_are_copied_out_of_the_graph_memory",)),
     Mutant("decoder_layer_second_norm_with_the_first_weight", "csrc/decoder_layer.cpp",
-           "fused_add_rms_norm.call(attended, stream, post_norm, eps);",
-           "fused_add_rms_norm.call(attended, stream, input_norm, eps);",
+           "fused_add_rms_norm_(attended, stream, post_norm, eps);",
+           "fused_add_rms_norm_(attended, stream, input_norm, eps);",
            (DECODER_LAYER + "test_matches_the_reference_composition",)),
     Mutant("decoder_layer_mlp_output_not_written_back", "csrc/decoder_layer.cpp",
-           "  if (!output_rows) return void(hidden.copy_(out));", "  if (!output_rows) return;",
+           "  if (!output_rows) return void(torch::stable::copy_(hidden, out));", "  if (!output_rows) return;",
            (DECODER_LAYER + "test_matches_the_reference_composition",)),
     Mutant("decoder_layer_tree_not_passed_to_attention", "csrc/decoder_layer.cpp",
            "0, tree_start, tree_seen);", "0, std::nullopt, std::nullopt);",

@@ -269,6 +269,13 @@ def test_bad_checkpoint_json_names_the_file(tmp_path):
         Eagle3Drafter.from_pretrained(tmp_path)
 
 
+def test_a_torch_older_than_the_stable_abi_target_is_named():
+    script = 'import torch; torch.__version__ = "2.9.1+cpu"; import qspec_ext'
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "needs torch >= 2.10 (the stable ABI it is built on)" in done.stderr.strip().splitlines()[-1]
+
+
 def test_an_extension_that_does_not_load_names_the_reinstall_command():
     script = 'import sys; sys.modules["qspec_ext._C"] = None; import qspec_ext'
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)

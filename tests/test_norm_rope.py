@@ -42,6 +42,23 @@ def test_rms_norm_strided_rows(device, dtype):
     assert_close(out, ref.rms_norm(x, w, 1e-5))
 
 
+def test_views_that_start_inside_their_storage(device):
+    """Rows at a storage offset (a slice past the first row and column; one row of a 1-D slice): the
+    kernels' row views keep the offset."""
+    big = torch.randn(9, 300, device=device)
+    w = torch.randn(200, device=device)
+    for take in (lambda t: t[2:, 7:207], lambda t: t[4, 50:250]):
+        x = take(big)
+        assert x.storage_offset() > 0
+        assert_close(qspec_ext.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6))
+        x_op, r = take(big.clone()), torch.randn(x.shape, device=device)
+        x_ref, r_ref = x.clone(), r.clone()
+        ref.fused_add_rms_norm_(x_ref, r_ref, w, 1e-6)
+        qspec_ext.fused_add_rms_norm_(x_op, r, w, 1e-6)
+        assert_close(x_op, x_ref)
+        assert_close(r, r_ref)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 64), (7, 4096), (257, 96), (2, 3, 128)])
 @pytest.mark.parametrize("strided", [False, True])
@@ -475,9 +492,13 @@ def test_build_info():
     info = qspec_ext.build_info()
     assert info["version"] == qspec_ext.__version__
     assert info["torch_version"] == torch.__version__
-    # QSPEC_CUDA=1 (as CI sets) demands the CUDA kernels, GPU or not.
+    # One binary for every torch from 2.10 and CPython from 3.10 (the wheel CI installs beside 2.11 to 2.14).
+    assert info["torch_versions"] == ">=2.10" and "stable ABI" in info["abi"]
+    assert qspec_ext._C.__file__.endswith(".abi3.so")
+    # QSPEC_CUDA=1 (as CI sets) demands the CUDA kernels, GPU or not; they load where torch has CUDA.
     if os.environ.get("QSPEC_CUDA") == "1":
-        assert info["cuda_kernels"] and info["cuda_archs"]
+        assert info["cuda_kernels_built"] and info["cuda_archs"]
+    assert info["cuda_kernels"] == (info["cuda_kernels_built"] and torch.version.cuda is not None)
     for op in ("rms_norm", "fused_add_rms_norm_", "eagle3_input_norm", "qk_norm_rope_"):
         kernels = torch._C._dispatch_dump(f"qspec_ext::{op}")
         assert "CPU: registered" in kernels

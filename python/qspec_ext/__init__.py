@@ -116,6 +116,7 @@ def build_info() -> dict:
         "built_with_torch": _C.built_with_torch,
         "abi": f"LibTorch stable ABI, torch >= {_C.torch_target_version}; CPython abi3",
         "torch_versions": f">={_C.torch_target_version}",
+        "cuda_kernels_built": _C.with_cuda,
         "cuda_kernels": CUDA_KERNELS,
         "cuda_archs": [a for a in _C.cuda_archs.split(",") if a],
         "cuda_available": torch.cuda.is_available(),
