@@ -1,7 +1,7 @@
 // What the C++ side uses of torch: the LibTorch stable ABI (torch/csrc/stable, targeting 2.10, so
-// one binary loads in every torch from 2.10 on), plus the few things it lacks, written here:
-// readable formatting of shapes, devices and dtypes for error messages, as_strided and index_copy_
-// (through the dispatcher), a dtype switch over the activation types.
+// one binary loads in every torch from 2.10 on), plus what it lacks, written here: shapes and
+// devices formatted for error messages, a dtype switch over the activation types, views and
+// allocation straight through the C shim, any other ATen op through the dispatcher.
 #pragma once
 
 #include <array>
@@ -54,10 +54,11 @@ std::string concat(const Args&... args) {
 }  // namespace qspec_ext
 
 // A RuntimeError in Python: "qspec_ext.<op>: argument '<arg>' <what was expected>, got <what came>".
-#define QSPEC_CHECK(cond, op, arg, ...)                                                                \
-  do {                                                                                                 \
-    if (!(cond)) [[unlikely]]                                                                          \
-      throw std::runtime_error(::qspec_ext::concat("qspec_ext.", op, ": argument '", arg, "' ", __VA_ARGS__)); \
+#define QSPEC_CHECK(cond, op, arg, ...)                                                        \
+  do {                                                                                         \
+    if (!(cond)) [[unlikely]]                                                                  \
+      throw std::runtime_error(                                                                \
+          ::qspec_ext::concat("qspec_ext.", op, ": argument '", arg, "' ", __VA_ARGS__));       \
   } while (0)
 
 // Dispatch over the activation dtypes (fp32, fp16, bf16); binds scalar_t. NAME names the caller.
@@ -83,17 +84,12 @@ std::string concat(const Args&... args) {
 
 namespace qspec_ext {
 
-// An op through the dispatcher (an ATen op the stable ABI has no wrapper for, or one of ours on
-// whichever device the tensors are): args in, the stack with the outputs first back.
-template <typename... Args>
-std::array<StableIValue, sizeof...(Args)> call_op(const char* name, const char* overload, const Args&... args) {
-  std::array<StableIValue, sizeof...(Args)> stack{torch::stable::detail::from(args)...};
-  STABLE_TORCH_ERROR_CODE_CHECK(torch_call_dispatcher(name, overload, stack.data(), TORCH_ABI_VERSION));
-  return stack;
-}
+// An ATen op the stable ABI has no wrapper for, through the dispatcher: args in, its one output back.
 template <typename... Args>
 Tensor call_aten(const char* name, const char* overload, const Args&... args) {
-  return torch::stable::detail::to<Tensor>(call_op(name, overload, args...)[0]);
+  std::array<StableIValue, sizeof...(Args)> stack{torch::stable::detail::from(args)...};
+  STABLE_TORCH_ERROR_CODE_CHECK(torch_call_dispatcher(name, overload, stack.data(), TORCH_ABI_VERSION));
+  return torch::stable::detail::to<Tensor>(stack[0]);
 }
 
 // Views, allocation and copies straight through the C shim (a dispatcher call costs about a
