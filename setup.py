@@ -116,6 +116,8 @@ class CMakeBuild(build_ext):
         super().copy_extensions_to_source()
         built = Path(self.build_lib) / "qspec_ext" / "_C_cuda.so"
         package = Path(self.get_finalized_command("build_py").get_package_dir("qspec_ext"))
+        for stale in package.glob("_C.cpython-*.so"):  # an older, version-specific build: Python would import it first
+            stale.unlink()
         if built.exists():
             shutil.copy2(built, package / built.name)
         else:  # a build without CUDA kernels must not leave an older build's library to load
