@@ -1,6 +1,8 @@
 """Helpers shared by several test files: the tiny Qwen3 target and drafter the decode tests use,
 the prompts, an oracle drafter, the sampling laws and the chi-square test, child processes."""
 
+import contextlib
+import io
 import os
 import random
 import subprocess
@@ -174,6 +176,14 @@ def draft(drafter, state, k: int, return_probs: bool = False):
     (chain or P-EAGLE), and the distributions ``[B, k, Vd]`` they come from if asked."""
     logits = (ParallelDrafting if drafter.config.parallel_drafting else ChainDrafting)(drafter, k).logits(state)
     return drafter.draft_to_target(logits.argmax(dim=-1)), torch.softmax(logits, dim=-1) if return_probs else None
+
+
+def run_here(script: str) -> str:
+    """``script`` in this process (its kernel switches as they are here): what it printed."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(script, "<script>", "exec"), {})
+    return out.getvalue()
 
 
 def run_children(script: str, settings: list[dict[str, str]], timeout: float = 300) -> list[subprocess.CompletedProcess]:
