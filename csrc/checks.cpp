@@ -1,17 +1,38 @@
 #include "checks.h"
 
+#include <algorithm>
+#include <vector>
+
 
 #include "qspec_ext/norm_rope.h"
 #include "qspec_ext/verify.h"
 
 namespace qspec_ext {
 
-// Whether two dense tensors' memory ranges intersect (at::get_overlap_status's Full or Partial);
-// a tensor with gaps cannot be told cheaply and passes, as it does in ATen ("TooHard").
+// Whether t's elements fill its memory span exactly once, in some order of its dims (ATen's
+// is_non_overlapping_and_dense).
+static bool dense(const Tensor& t) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of the dims longer than 1
+  for (int64_t d = 0; d < t.dim(); ++d)
+    if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
+  std::sort(dims.begin(), dims.end());
+  int64_t expected = 1;
+  for (const auto& [stride, size] : dims) {
+    if (stride != expected) return false;
+    expected *= size;
+  }
+  return true;
+}
+
+// at::get_overlap_status's Full or Partial: one tensor twice (the same memory, sizes and strides),
+// or two dense tensors whose memory spans intersect. Others with gaps cannot be told cheaply and
+// pass, as in ATen ("TooHard").
 static bool may_overlap(const Tensor& a, const Tensor& b) {
-  if (a.numel() == 0 || b.numel() == 0 || !a.is_contiguous() || !b.is_contiguous()) return false;
+  if (a.numel() == 0 || b.numel() == 0) return false;
   const auto* a0 = static_cast<const char*>(a.const_data_ptr());
   const auto* b0 = static_cast<const char*>(b.const_data_ptr());
+  if (a0 == b0 && a.sizes() == b.sizes() && a.strides() == b.strides()) return true;
+  if (!dense(a) || !dense(b)) return false;
   const char* a1 = a0 + a.numel() * static_cast<int64_t>(a.element_size());
   const char* b1 = b0 + b.numel() * static_cast<int64_t>(b.element_size());
   return a0 < b1 && b0 < a1;

@@ -54,6 +54,10 @@ Tensor project(std::string_view name, const Tensor& x, const Tensor& weight, int
   }
   QSPEC_CHECK(weight.dim() == 2 && weight.size(0) == out_features && weight.size(1) == x.size(1), kOp, name,
               "must be [", out_features, ", ", x.size(1), "] (or packed, 4-D), got ", weight.sizes());
+  // Checked here, not left to aten::linear: before torch 2.13 a stable-ABI caller gets no message from it.
+  QSPEC_CHECK(weight.scalar_type() == x.scalar_type() && weight.device() == x.device(), kOp, name,
+              "must have hidden's dtype ", x.scalar_type(), " and device ", x.device(), ", got ", weight.scalar_type(),
+              " on ", weight.device());
   return call_aten("aten::linear", "", x, weight, std::optional<Tensor>());
 }
 

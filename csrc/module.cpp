@@ -32,7 +32,8 @@ PyMODINIT_FUNC PyInit__C() {
   PyObject* m = PyModule_Create(&module);
   if (m == nullptr) return nullptr;
   if (PyModule_AddStringConstant(m, "version", QSPEC_VERSION) < 0 ||
-      PyModule_AddObject(m, "with_cuda", as_bool(QSPEC_WITH_CUDA)) < 0 ||
+      PyModule_AddIntConstant(m, "with_cuda", QSPEC_WITH_CUDA) < 0 ||
+      PyModule_AddStringConstant(m, "cuda_version", QSPEC_CUDA_VERSION) < 0 ||
       PyModule_AddStringConstant(m, "cuda_archs", QSPEC_CUDA_ARCHS) < 0 ||
       PyModule_AddStringConstant(m, "built_with_torch", QSPEC_TORCH_VERSION) < 0 ||
       PyModule_AddStringConstant(m, "torch_target_version", QSPEC_TORCH_TARGET) < 0) {

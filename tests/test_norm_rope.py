@@ -393,6 +393,11 @@ def call_rope(qkv_in, args, kv, **changes):
         (lambda q, a, kv: dict(slot_mapping=torch.arange(8)[1::2]), r"'slot_mapping' must be contiguous"),
         (lambda q, a, kv: dict(qkv=q[:1].expand(4, -1)), r"'qkv' is written in place and must not have overlapping rows, got shape \[4, 512\] and strides \[0, 1\]"),
         (lambda q, a, kv: dict(v_cache=kv["k_cache"]), r"'k_cache' must not share memory with 'v_cache'"),
+        # One strided cache view twice; two dense (head-major, so not contiguous) views sharing a head.
+        (lambda q, a, kv: (lambda c: dict(k_cache=c, v_cache=c))(torch.zeros(13, 4, 64)[:, :2]),
+         r"'k_cache' must not share memory with 'v_cache'"),
+        (lambda q, a, kv: (lambda f: dict(k_cache=f[0:2].transpose(0, 1), v_cache=f[1:3].transpose(0, 1)))(
+            torch.zeros(4, 13, 64)), r"'k_cache' must not share memory with 'v_cache'"),
         (lambda q, a, kv: dict(q_weight=torch.ones(128)[::2], k_weight=torch.ones(128)[::2]), r"'q_weight' must be contiguous"),
     ],
 )
@@ -402,6 +407,17 @@ def test_qk_norm_rope_bad_input(change, message):
     with pytest.raises(RuntimeError, match=r"qspec_ext\.qk_norm_rope_: argument " + message):
         call_rope(qkv, args, kv, **change(qkv, args, kv))
     assert torch.equal(qkv, before), "a rejected call must not modify its inputs"
+
+
+def test_qk_norm_rope_takes_head_major_caches_side_by_side():
+    """K and V caches as dense, not contiguous, views of one buffer that do not overlap are taken,
+    and written as contiguous caches are."""
+    qkv, args, kv = good_rope_inputs()
+    buffer = torch.zeros(4, 13, 64)  # [K heads, V heads] x slots x head_dim
+    call_rope(qkv.clone(), args, kv)
+    call_rope(qkv.clone(), args, kv, k_cache=buffer[0:2].transpose(0, 1), v_cache=buffer[2:4].transpose(0, 1))
+    assert torch.equal(buffer[0:2].transpose(0, 1), kv["k_cache"])
+    assert torch.equal(buffer[2:4].transpose(0, 1), kv["v_cache"])
 
 
 def test_norm_bad_input():
@@ -428,6 +444,9 @@ def test_norm_bad_input():
         qspec_ext.fused_add_rms_norm_(x[:1].expand(4, 64), x.clone(), torch.ones(64))
     with pytest.raises(RuntimeError, match=r"qspec_ext\.fused_add_rms_norm_: argument 'residual' must not share memory with 'input'"):
         qspec_ext.fused_add_rms_norm_(x, x, torch.ones(64))
+    rows = torch.randn(4, 100)[:, :64]  # strided rows, the same view twice
+    with pytest.raises(RuntimeError, match=r"qspec_ext\.fused_add_rms_norm_: argument 'residual' must not share memory with 'input'"):
+        qspec_ext.fused_add_rms_norm_(rows, rows, torch.ones(64))
 
 
 def test_launch_sizes_are_checked_on_the_host():
@@ -498,7 +517,10 @@ def test_build_info():
     # QSPEC_CUDA=1 (as CI sets) demands the CUDA kernels, GPU or not; they load where torch has CUDA.
     if os.environ.get("QSPEC_CUDA") == "1":
         assert info["cuda_kernels_built"] and info["cuda_archs"]
-    assert info["cuda_kernels"] == (info["cuda_kernels_built"] and torch.version.cuda is not None)
+    assert info["cuda_kernels"] == (info["cuda_kernels_off_because"] is None)
+    if info["cuda_kernels_built"] and torch.version.cuda is not None:
+        torch_major, built_major = (int(v.split(".")[0]) for v in (torch.version.cuda, info["cuda_version_built"]))
+        assert info["cuda_kernels"] == (torch_major >= built_major)
     for op in ("rms_norm", "fused_add_rms_norm_", "eagle3_input_norm", "qk_norm_rope_"):
         kernels = torch._C._dispatch_dump(f"qspec_ext::{op}")
         assert "CPU: registered" in kernels

@@ -200,13 +200,13 @@ void eagle3_input_norm_cpu(const Tensor& embeds, const Tensor& hidden, const Ten
                                      nullptr, 0, we.data(), width, e};
     const RowNormParams<scalar_t> ph{hidden.const_data_ptr<scalar_t>(), hidden.stride(0), out + width, 2 * width,
                                      nullptr, 0, wh.data(), width, e};
+    const scalar_t* res_src = norm_before_residual ? out + width : hidden.const_data_ptr<scalar_t>();
+    const int64_t res_stride = norm_before_residual ? 2 * width : hidden.stride(0);
+    scalar_t* res_dst = residual.mutable_data_ptr<scalar_t>();
     torch::stable::parallel_for(0, rows, grain_for(2 * width), [&](int64_t b, int64_t end) {
       rms_norm_rows(pe, b, end);
       rms_norm_rows(ph, b, end);
-      const scalar_t* res_src = norm_before_residual ? out + width : hidden.const_data_ptr<scalar_t>();
-      const int64_t res_stride = norm_before_residual ? 2 * width : hidden.stride(0);
-      for (int64_t r = b; r < end; ++r)
-        std::copy_n(res_src + r * res_stride, width, residual.mutable_data_ptr<scalar_t>() + r * width);
+      for (int64_t r = b; r < end; ++r) std::copy_n(res_src + r * res_stride, width, res_dst + r * width);
     });
   });
 }

@@ -5,6 +5,7 @@ documented wrapper for each, and :mod:`qspec_ext.reference` the pure-PyTorch spe
 """
 
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -13,23 +14,39 @@ import torch
 TORCH_TARGET = (2, 10)
 
 
-def _load_cuda_kernels() -> bool:
+def _load_cuda_kernels() -> tuple[bool, str | None]:
     """The CUDA kernels are a library of their own, _C_cuda.so, loaded where torch is a CUDA build (a
-    CPU build of torch, vLLM's for one, has no libtorch_cuda for it to link)."""
-    if not _C.with_cuda or torch.version.cuda is None:
+    CPU build of torch, vLLM's for one, has no libtorch_cuda for it to link). Returns (loaded, why not)."""
+    if not _C.with_cuda:
+        return False, "this build has no CUDA kernels"
+    if torch.version.cuda is None:
+        return False, "torch is a CPU build"
+    if int(torch.version.cuda.split(".")[0]) < int(_C.cuda_version.split(".")[0]):
+        return False, (f"they are built with CUDA {_C.cuda_version} (its runtime linked in), torch with CUDA "
+                       f"{torch.version.cuda}: its driver may be too old for them")
+    try:
+        torch.ops.load_library(str(Path(__file__).with_name("_C_cuda.so")))
+    except OSError as error:  # the CPU ops stay usable
+        warnings.warn(f"qspec_ext: the CUDA kernels did not load: {error}")
+        return False, f"_C_cuda.so did not load: {error}"
+    return True, None
+
+
+def _torch_older_than(version: tuple[int, int]) -> bool:
+    try:
+        return tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < version
+    except ValueError:  # an unusual version string: the extension's own load decides
         return False
-    torch.ops.load_library(str(Path(__file__).with_name("_C_cuda.so")))
-    return True
 
 
 try:
-    if tuple(int(p) for p in torch.__version__.split(".")[:2]) < TORCH_TARGET:
+    if _torch_older_than(TORCH_TARGET):
         raise ImportError(f"it needs torch >= {TORCH_TARGET[0]}.{TORCH_TARGET[1]} (the stable ABI it is built on)")
     from . import _C
 
-    CUDA_KERNELS = _load_cuda_kernels()
-except (ImportError, OSError) as error:  # a torch too old, a broken install or build
-    CUDA_KERNELS = False
+    CUDA_KERNELS, CUDA_KERNELS_OFF = _load_cuda_kernels()
+except ImportError as error:  # a torch too old, a broken install or build
+    CUDA_KERNELS, CUDA_KERNELS_OFF = False, None
     EXTENSION_PROBLEM = (f"qspec_ext's compiled extension does not load with torch {torch.__version__}: {error}. "
                          "Reinstall or rebuild it: pip install --no-build-isolation qspec_ext")
     if "vllm.plugins" not in sys.modules:
@@ -107,7 +124,7 @@ __all__ = [
 def build_info() -> dict:
     """What this installation was built with (package version, the ABI and the torch versions it is
     for, CUDA archs) and what its kernels use here (``cuda_kernels``: compiled in and loaded, torch
-    being a CUDA build; ``cpu_bf16_dot``: AVX512-BF16 in bf16 ``packed_linear`` and
+    being a CUDA build of the same or a later CUDA major version, else ``cuda_kernels_off_because``; ``cpu_bf16_dot``: AVX512-BF16 in bf16 ``packed_linear`` and
     ``cached_attention``; ``cpu_amx``: AMX tiles in bf16 ``packed_linear``; ``cpu_avx512``: AVX-512 in
     fp32 ``cached_attention``)."""
     return {
@@ -116,8 +133,10 @@ def build_info() -> dict:
         "built_with_torch": _C.built_with_torch,
         "abi": f"LibTorch stable ABI, torch >= {_C.torch_target_version}; CPython abi3",
         "torch_versions": f">={_C.torch_target_version}",
-        "cuda_kernels_built": _C.with_cuda,
+        "cuda_kernels_built": bool(_C.with_cuda),
+        "cuda_version_built": _C.cuda_version or None,
         "cuda_kernels": CUDA_KERNELS,
+        "cuda_kernels_off_because": CUDA_KERNELS_OFF,
         "cuda_archs": [a for a in _C.cuda_archs.split(",") if a],
         "cuda_available": torch.cuda.is_available(),
         "cpu_bf16_dot": _C.cpu_bf16_dot(),
