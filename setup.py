@@ -106,6 +106,8 @@ class CMakeBuild(build_ext):
                 f"-DCMAKE_CUDA_COMPILER={cuda_home / 'bin' / 'nvcc'}",
             ]
         print(f"qspec_ext setup: CUDA kernels {'ON, archs ' + archs if with_cuda else 'OFF'}", flush=True)
+        if not with_cuda:  # CMake builds no _C_cuda.so: an earlier build's must not ship or load
+            (extdir / "_C_cuda.so").unlink(missing_ok=True)
         cmake = build_tool("cmake")
         subprocess.run([cmake, *args], check=True)
         jobs = os.environ.get("MAX_JOBS") or str(os.cpu_count() or 1)

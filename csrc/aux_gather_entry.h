@@ -45,18 +45,18 @@ AuxGatherParams<T> aux_gather_params(const TensorList& aux, const Tensor& indice
                                      Tensor& out) {
   AuxGatherParams<T> p{};
   for (int i = 0; i < s.num_aux; ++i) {
-    p.aux[i] = aux[i].const_data_ptr<T>();
+    p.aux[i] = const_data<T>(aux[i]);
     p.aux_stride[i] = aux[i].stride(0);
     if (s.has_residual) {
-      p.residual[i] = (*residual)[i].const_data_ptr<T>();
+      p.residual[i] = const_data<T>((*residual)[i]);
       p.residual_stride[i] = (*residual)[i].stride(0);
     }
   }
   p.indices = indices.const_data_ptr();
-  p.indices_i64 = indices.scalar_type() == kLong;
+  p.indices_i64 = dtype_of(indices) == kLong;
   p.weight = weight.has_value() ? weight->const_data_ptr() : nullptr;
-  p.weight_f32 = weight.has_value() && weight->scalar_type() == kFloat;
-  p.out = out.mutable_data_ptr<T>();
+  p.weight_f32 = weight.has_value() && dtype_of(*weight) == kFloat;
+  p.out = mutable_data<T>(out);
   p.out_stride = out.stride(0);
   p.num_rows = s.num_rows;
   p.num_source = s.num_source;

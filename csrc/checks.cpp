@@ -9,12 +9,12 @@
 
 namespace qspec_ext {
 
-// Whether t's elements fill its memory span exactly once, in some order of its dims (ATen's
+// Whether t's elements fill their memory span exactly once, in some order of the dims (ATen's
 // is_non_overlapping_and_dense).
-static bool dense(const Tensor& t) {
+static bool dense(IntList sizes, IntList strides) {
   std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of the dims longer than 1
-  for (int64_t d = 0; d < t.dim(); ++d)
-    if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
+  for (size_t d = 0; d < sizes.size(); ++d)
+    if (sizes[d] > 1) dims.emplace_back(strides[d], sizes[d]);
   std::sort(dims.begin(), dims.end());
   int64_t expected = 1;
   for (const auto& [stride, size] : dims) {
@@ -24,18 +24,23 @@ static bool dense(const Tensor& t) {
   return true;
 }
 
-// at::get_overlap_status's Full or Partial: one tensor twice (the same memory, sizes and strides),
-// or two dense tensors whose memory spans intersect. Others with gaps cannot be told cheaply and
-// pass, as in ATen ("TooHard").
+// at::get_overlap_status's Full or Partial: memory spans that intersect, and either one tensor
+// twice (the same memory, sizes and strides) or two dense tensors. Others with gaps cannot be told
+// cheaply and pass, as in ATen ("TooHard").
 static bool may_overlap(const Tensor& a, const Tensor& b) {
   if (a.numel() == 0 || b.numel() == 0) return false;
-  const auto* a0 = static_cast<const char*>(a.const_data_ptr());
-  const auto* b0 = static_cast<const char*>(b.const_data_ptr());
-  if (a0 == b0 && a.sizes() == b.sizes() && a.strides() == b.strides()) return true;
-  if (!dense(a) || !dense(b)) return false;
-  const char* a1 = a0 + a.numel() * static_cast<int64_t>(a.element_size());
-  const char* b1 = b0 + b.numel() * static_cast<int64_t>(b.element_size());
-  return a0 < b1 && b0 < a1;
+  const IntList a_sizes = a.sizes(), a_strides = a.strides(), b_sizes = b.sizes(), b_strides = b.strides();
+  auto span = [](const Tensor& t, IntList sizes, IntList strides) {
+    const auto* first = static_cast<const char*>(t.const_data_ptr());
+    int64_t last = 0;  // the last element's offset (the ops take no negative strides)
+    for (size_t d = 0; d < sizes.size(); ++d) last += (sizes[d] - 1) * strides[d];
+    return std::pair{first, first + (last + 1) * static_cast<int64_t>(t.element_size())};
+  };
+  const auto [a0, a1] = span(a, a_sizes, a_strides);
+  const auto [b0, b1] = span(b, b_sizes, b_strides);
+  if (a1 <= b0 || b1 <= a0) return false;
+  if (a0 == b0 && a_sizes == b_sizes && a_strides == b_strides) return true;
+  return dense(a_sizes, a_strides) && dense(b_sizes, b_strides);
 }
 
 // "[Int, Long]", as an ArrayRef of dtypes prints.
@@ -48,7 +53,7 @@ static std::string dtype_names(std::initializer_list<ScalarType> dtypes) {
 }
 
 void check_activation(std::string_view op, std::string_view name, const Tensor& t) {
-  const auto dt = t.scalar_type();
+  const auto dt = dtype_of(t);
   QSPEC_CHECK(dt == kFloat || dt == kHalf || dt == kBFloat16, op, name,
               "must be float32, float16 or bfloat16, got ", dt);
 }
@@ -62,17 +67,17 @@ void check_norm_weight(std::string_view op, std::string_view name, const Tensor&
   check_same_device(op, name, weight, activation);
   QSPEC_CHECK(weight.dim() == 1 && weight.size(0) == width, op, name, "must have shape [", width, "], got ",
               weight.sizes());
-  QSPEC_CHECK(weight.scalar_type() == kFloat || weight.scalar_type() == activation.scalar_type(), op, name,
-              "must be float32 or the activation dtype ", activation.scalar_type(), ", got ",
-              weight.scalar_type());
+  QSPEC_CHECK(dtype_of(weight) == kFloat || dtype_of(weight) == dtype_of(activation), op, name,
+              "must be float32 or the activation dtype ", dtype_of(activation), ", got ",
+              dtype_of(weight));
   QSPEC_CHECK(weight.is_contiguous(), op, name, "must be contiguous, got strides ", weight.strides());
 }
 
 void check_index(std::string_view op, std::string_view name, const Tensor& t, int64_t length,
                  const Tensor& ref) {
   check_same_device(op, name, t, ref);
-  QSPEC_CHECK(t.scalar_type() == kInt || t.scalar_type() == kLong, op, name,
-              "must be int32 or int64, got ", t.scalar_type());
+  QSPEC_CHECK(dtype_of(t) == kInt || dtype_of(t) == kLong, op, name,
+              "must be int32 or int64, got ", dtype_of(t));
   QSPEC_CHECK(t.dim() == 1 && t.size(0) == length, op, name, "must have shape [", length, "], got ", t.sizes());
   QSPEC_CHECK(t.is_contiguous(), op, name, "must be contiguous (the kernels read it with stride 1), got strides ",
               t.strides());
@@ -145,8 +150,8 @@ std::pair<Tensor, Tensor> check_fused_add_rms_norm(const Tensor& input, const Te
   constexpr std::string_view op = "fused_add_rms_norm_";
   check_activation(op, "input", input);
   check_same_device(op, "residual", residual, input);
-  QSPEC_CHECK(residual.scalar_type() == input.scalar_type(), op, "residual", "must have the dtype of input (",
-              input.scalar_type(), "), got ", residual.scalar_type());
+  QSPEC_CHECK(dtype_of(residual) == dtype_of(input), op, "residual", "must have the dtype of input (",
+              dtype_of(input), "), got ", dtype_of(residual));
   QSPEC_CHECK(residual.sizes() == input.sizes(), op, "residual", "must have the shape of input ", input.sizes(),
               ", got ", residual.sizes());
   Tensor in_rows = as_rows(op, "input", input);
@@ -162,8 +167,8 @@ static void check_cache(std::string_view name, const Tensor& cache, const Tensor
                         int64_t head_dim) {
   constexpr std::string_view op = "qk_norm_rope_";
   check_same_device(op, name, cache, qkv);
-  QSPEC_CHECK(cache.scalar_type() == qkv.scalar_type(), op, name, "must have the dtype of qkv (",
-              qkv.scalar_type(), "), got ", cache.scalar_type());
+  QSPEC_CHECK(dtype_of(cache) == dtype_of(qkv), op, name, "must have the dtype of qkv (",
+              dtype_of(qkv), "), got ", dtype_of(cache));
   QSPEC_CHECK(cache.dim() == 3 && cache.size(1) == heads && cache.size(2) == head_dim, op, name,
               "must have shape [num_slots, ", heads, ", ", head_dim, "], got ", cache.sizes());
   QSPEC_CHECK(cache.stride(2) == 1, op, name, "must have a contiguous last dimension, got strides ",
@@ -208,8 +213,8 @@ QKNormRopeShape check_qk_norm_rope(const Tensor& qkv, const std::optional<Tensor
   if (s.has_norm) {
     check_norm_weight(op, "q_weight", *q_weight, head_dim, qkv);
     check_norm_weight(op, "k_weight", *k_weight, head_dim, qkv);
-    QSPEC_CHECK(k_weight->scalar_type() == q_weight->scalar_type(), op, "k_weight", "must have the dtype of q_weight (",
-                q_weight->scalar_type(), "), got ", k_weight->scalar_type());
+    QSPEC_CHECK(dtype_of(*k_weight) == dtype_of(*q_weight), op, "k_weight", "must have the dtype of q_weight (",
+                dtype_of(*q_weight), "), got ", dtype_of(*k_weight));
   }
 
   check_same_device(op, "cos_sin_cache", cos_sin_cache, qkv);
@@ -219,9 +224,9 @@ QKNormRopeShape check_qk_norm_rope(const Tensor& qkv, const std::optional<Tensor
   s.max_position = cos_sin_cache.size(0);
   QSPEC_CHECK(s.rot_dim > 0 && s.rot_dim % 2 == 0 && s.rot_dim <= head_dim, op, "cos_sin_cache",
               "must have an even rotary_dim (size of dim 1) in [2, head_dim=", head_dim, "], got ", s.rot_dim);
-  QSPEC_CHECK(cos_sin_cache.scalar_type() == kFloat || cos_sin_cache.scalar_type() == qkv.scalar_type(), op,
-              "cos_sin_cache", "must be float32 or the dtype of qkv (", qkv.scalar_type(), "), got ",
-              cos_sin_cache.scalar_type());
+  QSPEC_CHECK(dtype_of(cos_sin_cache) == kFloat || dtype_of(cos_sin_cache) == dtype_of(qkv), op,
+              "cos_sin_cache", "must be float32 or the dtype of qkv (", dtype_of(qkv), "), got ",
+              dtype_of(cos_sin_cache));
   QSPEC_CHECK(cos_sin_cache.is_contiguous(), op, "cos_sin_cache", "must be contiguous, got strides ",
               cos_sin_cache.strides());
   check_index(op, "positions", positions, s.num_tokens, qkv);
@@ -267,8 +272,8 @@ AuxGatherShape check_gather_aux_hidden(std::string_view op, const TensorList& au
     for (size_t i = 0; i < list.size(); ++i) {
       const std::string name = std::string(list_name) + "[" + std::to_string(i) + "]";
       check_same_device(op, name, list[i], first);
-      QSPEC_CHECK(list[i].scalar_type() == first.scalar_type(), op, name, "must have the dtype of aux[0] (",
-                  first.scalar_type(), "), got ", list[i].scalar_type());
+      QSPEC_CHECK(dtype_of(list[i]) == dtype_of(first), op, name, "must have the dtype of aux[0] (",
+                  dtype_of(first), "), got ", dtype_of(list[i]));
       QSPEC_CHECK(list[i].sizes() == first.sizes(), op, name, "must have the shape of aux[0] ", first.sizes(),
                   ", got ", list[i].sizes());
       QSPEC_CHECK(list[i].stride(1) == 1 || s.hidden <= 1, op, name,
@@ -283,8 +288,8 @@ AuxGatherShape check_gather_aux_hidden(std::string_view op, const TensorList& au
     check_list(*residual, "residual");
   }
   check_same_device(op, "indices", indices, first);
-  QSPEC_CHECK(indices.scalar_type() == kInt || indices.scalar_type() == kLong, op, "indices",
-              "must be int32 or int64, got ", indices.scalar_type());
+  QSPEC_CHECK(dtype_of(indices) == kInt || dtype_of(indices) == kLong, op, "indices",
+              "must be int32 or int64, got ", dtype_of(indices));
   QSPEC_CHECK(indices.dim() == 1, op, "indices", "must have shape [num_rows], got ", indices.sizes());
   QSPEC_CHECK(indices.is_contiguous(), op, "indices", "must be contiguous, got strides ", indices.strides());
   s.num_rows = indices.size(0);
@@ -298,8 +303,8 @@ AuxGatherShape check_gather_aux_hidden(std::string_view op, const TensorList& au
     QSPEC_CHECK(norm_weight.has_value(), op, "norm_weight", "is required for norm_mode \"", norm_mode, "\"");
     const Tensor& w = *norm_weight;
     check_same_device(op, "norm_weight", w, first);
-    QSPEC_CHECK(w.scalar_type() == kFloat || w.scalar_type() == first.scalar_type(), op, "norm_weight",
-                "must be float32 or the activation dtype ", first.scalar_type(), ", got ", w.scalar_type());
+    QSPEC_CHECK(dtype_of(w) == kFloat || dtype_of(w) == dtype_of(first), op, "norm_weight",
+                "must be float32 or the activation dtype ", dtype_of(first), ", got ", dtype_of(w));
     QSPEC_CHECK(w.is_contiguous(), op, "norm_weight", "must be contiguous, got strides ", w.strides());
     if (s.mode == AuxNormMode::kFcNorm) {
       QSPEC_CHECK(w.dim() == 2 && w.size(0) == s.num_aux && w.size(1) == s.hidden, op, "norm_weight",
@@ -317,8 +322,8 @@ AuxGatherShape check_gather_aux_hidden(std::string_view op, const TensorList& au
 void check_gather_out(const Tensor& out, const AuxGatherShape& shape, const Tensor& aux0) {
   constexpr std::string_view op = "gather_aux_hidden_out";
   check_same_device(op, "out", out, aux0);
-  QSPEC_CHECK(out.scalar_type() == aux0.scalar_type(), op, "out", "must have the dtype of aux (",
-              aux0.scalar_type(), "), got ", out.scalar_type());
+  QSPEC_CHECK(dtype_of(out) == dtype_of(aux0), op, "out", "must have the dtype of aux (",
+              dtype_of(aux0), "), got ", dtype_of(out));
   QSPEC_CHECK(out.dim() == 2 && out.size(0) == shape.num_rows && out.size(1) == shape.num_aux * shape.hidden, op,
               "out", "must have shape [num_rows, n * hidden_size] = [", shape.num_rows, ", ",
               shape.num_aux * shape.hidden, "], got ", out.sizes());
@@ -330,9 +335,9 @@ static void check_vector(std::string_view op, std::string_view name, const Tenso
                          const Tensor& ref, std::initializer_list<ScalarType> dtypes) {
   check_same_device(op, name, t, ref);
   bool dtype_ok = false;
-  for (auto d : dtypes) dtype_ok = dtype_ok || t.scalar_type() == d;
+  for (auto d : dtypes) dtype_ok = dtype_ok || dtype_of(t) == d;
   QSPEC_CHECK(dtype_ok, op, name, "must have dtype ", dtype_names(dtypes), ", got ",
-              t.scalar_type());
+              dtype_of(t));
   QSPEC_CHECK(t.dim() == 1 && t.size(0) == length, op, name, "must have shape [", length, "], got ", t.sizes());
   QSPEC_CHECK(t.is_contiguous(), op, name, "must be contiguous, got strides ", t.strides());
 }
@@ -359,7 +364,7 @@ VerifyShape check_verify(std::string_view op, const Tensor& draft_ids, const Ten
   VerifyShape s{};
   QSPEC_CHECK(draft_ids.dim() == 2, op, "draft_ids", "must have shape [batch, num_draft_tokens], got ",
               draft_ids.sizes());
-  QSPEC_CHECK(draft_ids.scalar_type() == kLong, op, "draft_ids", "must be int64, got ", draft_ids.scalar_type());
+  QSPEC_CHECK(dtype_of(draft_ids) == kLong, op, "draft_ids", "must be int64, got ", dtype_of(draft_ids));
   s.batch = draft_ids.size(0);
   const int64_t k = draft_ids.size(1);
   QSPEC_CHECK(k >= 1 && k <= kMaxDraftTokens, op, "draft_ids", "must hold 1 to ", kMaxDraftTokens,
@@ -389,9 +394,9 @@ VerifyShape check_verify(std::string_view op, const Tensor& draft_ids, const Ten
   if (s.has_probs) {
     const Tensor& q = *draft_probs;
     check_same_device(op, "draft_probs", q, target_logits);
-    QSPEC_CHECK(q.scalar_type() == kFloat || q.scalar_type() == target_logits.scalar_type(), op, "draft_probs",
-                "must be float32 or the dtype of target_logits (", target_logits.scalar_type(), "), got ",
-                q.scalar_type());
+    QSPEC_CHECK(dtype_of(q) == kFloat || dtype_of(q) == dtype_of(target_logits), op, "draft_probs",
+                "must be float32 or the dtype of target_logits (", dtype_of(target_logits), "), got ",
+                dtype_of(q));
     QSPEC_CHECK(q.dim() == 3 && q.size(0) == s.batch && q.size(1) == k && q.size(2) == s.draft_vocab, op,
                 "draft_probs", "must have shape [batch, num_draft_tokens, ", s.has_d2t ? "draft_vocab" : "vocab",
                 "] = [", s.batch, ", ", k, ", ", s.draft_vocab, "], got ", q.sizes());
@@ -404,7 +409,7 @@ VerifyShape check_verify(std::string_view op, const Tensor& draft_ids, const Ten
 void check_verify_out(std::string_view op, const Tensor& out_ids, const Tensor& num_accepted,
                       const VerifyShape& shape, const Tensor& target_logits) {
   check_same_device(op, "out_ids", out_ids, target_logits);
-  QSPEC_CHECK(out_ids.scalar_type() == kLong, op, "out_ids", "must be int64, got ", out_ids.scalar_type());
+  QSPEC_CHECK(dtype_of(out_ids) == kLong, op, "out_ids", "must be int64, got ", dtype_of(out_ids));
   QSPEC_CHECK(out_ids.dim() == 2 && out_ids.size(0) == shape.batch && out_ids.size(1) == shape.num_draft_max + 1,
               op, "out_ids", "must have shape [", shape.batch, ", ", shape.num_draft_max + 1, "], got ",
               out_ids.sizes());
@@ -417,7 +422,7 @@ TreeVerifyShape check_verify_tree(std::string_view op, const Tensor& draft_ids, 
                                   const std::optional<Tensor>& seed, const std::optional<Tensor>& offset) {
   TreeVerifyShape s{};
   QSPEC_CHECK(draft_ids.dim() == 2, op, "draft_ids", "must have shape [batch, num_nodes], got ", draft_ids.sizes());
-  QSPEC_CHECK(draft_ids.scalar_type() == kLong, op, "draft_ids", "must be int64, got ", draft_ids.scalar_type());
+  QSPEC_CHECK(dtype_of(draft_ids) == kLong, op, "draft_ids", "must be int64, got ", dtype_of(draft_ids));
   s.batch = draft_ids.size(0);
   const int64_t n = draft_ids.size(1);
   check_launch_size(op, "draft_ids", s.batch * (n + 1), "batch * (num_nodes + 1) (one block per target row)");
@@ -425,8 +430,8 @@ TreeVerifyShape check_verify_tree(std::string_view op, const Tensor& draft_ids, 
   check_activation(op, "target_logits", target_logits);
   check_same_device(op, "draft_ids", draft_ids, target_logits);
   check_same_device(op, "parents", parents, target_logits);
-  QSPEC_CHECK(parents.scalar_type() == kInt || parents.scalar_type() == kLong, op, "parents",
-              "must be int32 or int64, got ", parents.scalar_type());
+  QSPEC_CHECK(dtype_of(parents) == kInt || dtype_of(parents) == kLong, op, "parents",
+              "must be int32 or int64, got ", dtype_of(parents));
   QSPEC_CHECK(parents.sizes() == draft_ids.sizes(), op, "parents", "must have the shape of draft_ids ",
               draft_ids.sizes(), ", got ", parents.sizes());
   QSPEC_CHECK(parents.is_contiguous(), op, "parents", "must be contiguous, got strides ", parents.strides());
@@ -441,7 +446,7 @@ void check_verify_tree_out(std::string_view op, const Tensor& out_ids, const Ten
                            const Tensor& path, const TreeVerifyShape& shape, const Tensor& target_logits) {
   for (const auto& [name, t] : {std::pair<std::string_view, const Tensor&>{"out_ids", out_ids}, {"path", path}}) {
     check_same_device(op, name, t, target_logits);
-    QSPEC_CHECK(t.scalar_type() == kLong, op, name, "must be int64, got ", t.scalar_type());
+    QSPEC_CHECK(dtype_of(t) == kLong, op, name, "must be int64, got ", dtype_of(t));
     QSPEC_CHECK(t.dim() == 2 && t.size(0) == shape.batch && t.size(1) == shape.num_nodes + 1, op, name,
                 "must have shape [", shape.batch, ", ", shape.num_nodes + 1, "], got ", t.sizes());
     QSPEC_CHECK(t.is_contiguous(), op, name, "must be contiguous, got strides ", t.strides());
@@ -472,8 +477,8 @@ AttentionShape check_cached_attention(const Tensor& query, const Tensor& k_cache
   for (const auto& [name, cache] : {std::pair<std::string_view, const Tensor&>{"k_cache", k_cache},
                                     std::pair<std::string_view, const Tensor&>{"v_cache", v_cache}}) {
     check_same_device(op, name, cache, query);
-    QSPEC_CHECK(cache.scalar_type() == query.scalar_type(), op, name, "must have the dtype of query (",
-                query.scalar_type(), "), got ", cache.scalar_type());
+    QSPEC_CHECK(dtype_of(cache) == dtype_of(query), op, name, "must have the dtype of query (",
+                dtype_of(query), "), got ", dtype_of(cache));
     QSPEC_CHECK(cache.dim() == 3 && cache.size(2) == s.head_dim, op, name,
                 "must have shape [batch * max_length, heads_kv, ", s.head_dim, "], got ", cache.sizes());
     QSPEC_CHECK(cache.is_contiguous(), op, name, "must be contiguous, got strides ", cache.strides());
@@ -487,8 +492,8 @@ AttentionShape check_cached_attention(const Tensor& query, const Tensor& k_cache
               "must have batch * max_length slots (a multiple of batch=", s.batch, "), got ", k_cache.size(0));
   s.max_length = s.batch > 0 ? k_cache.size(0) / s.batch : 0;
   check_same_device(op, "positions", positions, query);
-  QSPEC_CHECK(positions.scalar_type() == kInt || positions.scalar_type() == kLong, op, "positions",
-              "must be int32 or int64, got ", positions.scalar_type());
+  QSPEC_CHECK(dtype_of(positions) == kInt || dtype_of(positions) == kLong, op, "positions",
+              "must be int32 or int64, got ", dtype_of(positions));
   QSPEC_CHECK(positions.dim() == 2 && positions.size(0) == s.batch && positions.size(1) == s.tokens, op, "positions",
               "must have shape [", s.batch, ", ", s.tokens, "], got ", positions.sizes());
   QSPEC_CHECK(window >= 0, op, "window", "must be >= 0 (0 = no sliding window), got ", window);
@@ -497,14 +502,14 @@ AttentionShape check_cached_attention(const Tensor& query, const Tensor& k_cache
   s.has_tree = tree_start.has_value();
   if (s.has_tree) {
     check_same_device(op, "tree_start", *tree_start, query);
-    QSPEC_CHECK(tree_start->scalar_type() == kLong && tree_start->dim() == 1 && tree_start->size(0) == s.batch,
+    QSPEC_CHECK(dtype_of(*tree_start) == kLong && tree_start->dim() == 1 && tree_start->size(0) == s.batch,
                 op, "tree_start", "must be an int64 tensor of shape [", s.batch, "], got ",
-                tree_start->scalar_type(), " ", tree_start->sizes());
+                dtype_of(*tree_start), " ", tree_start->sizes());
     check_same_device(op, "tree_seen", *tree_seen, query);
-    QSPEC_CHECK(tree_seen->scalar_type() == kBool && tree_seen->dim() == 3 && tree_seen->size(0) == s.batch &&
+    QSPEC_CHECK(dtype_of(*tree_seen) == kBool && tree_seen->dim() == 3 && tree_seen->size(0) == s.batch &&
                     tree_seen->size(1) == s.tokens,
                 op, "tree_seen", "must be a bool tensor of shape [", s.batch, ", ", s.tokens,
-                ", scratch], got ", tree_seen->scalar_type(), " ", tree_seen->sizes());
+                ", scratch], got ", dtype_of(*tree_seen), " ", tree_seen->sizes());
     s.scratch = tree_seen->size(2);
     QSPEC_CHECK(s.scratch <= s.max_length, op, "tree_seen", "must have a scratch size (dim 2) <= max_length=",
                 s.max_length, ", got ", s.scratch);
@@ -518,8 +523,8 @@ void check_eagle3_input_norm(const Tensor& embeds, const Tensor& hidden, const T
   constexpr std::string_view op = "eagle3_input_norm";
   check_activation(op, "embeds", embeds);
   QSPEC_CHECK(embeds.dim() == 2, op, "embeds", "must have shape [num_tokens, hidden_size], got ", embeds.sizes());
-  QSPEC_CHECK(hidden.scalar_type() == embeds.scalar_type(), op, "hidden", "must have the dtype of embeds (",
-              embeds.scalar_type(), "), got ", hidden.scalar_type());
+  QSPEC_CHECK(dtype_of(hidden) == dtype_of(embeds), op, "hidden", "must have the dtype of embeds (",
+              dtype_of(embeds), "), got ", dtype_of(hidden));
   check_same_device(op, "hidden", hidden, embeds);
   QSPEC_CHECK(hidden.sizes() == embeds.sizes(), op, "hidden", "must have the shape of embeds ", embeds.sizes(),
               ", got ", hidden.sizes());

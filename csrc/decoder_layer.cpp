@@ -55,8 +55,8 @@ Tensor project(std::string_view name, const Tensor& x, const Tensor& weight, int
   QSPEC_CHECK(weight.dim() == 2 && weight.size(0) == out_features && weight.size(1) == x.size(1), kOp, name,
               "must be [", out_features, ", ", x.size(1), "] (or packed, 4-D), got ", weight.sizes());
   // Checked here, not left to aten::linear: before torch 2.13 a stable-ABI caller gets no message from it.
-  QSPEC_CHECK(weight.scalar_type() == x.scalar_type() && weight.device() == x.device(), kOp, name,
-              "must have hidden's dtype ", x.scalar_type(), " and device ", x.device(), ", got ", weight.scalar_type(),
+  QSPEC_CHECK(dtype_of(weight) == dtype_of(x) && weight.device() == x.device(), kOp, name,
+              "must have hidden's dtype ", dtype_of(x), " and device ", x.device(), ", got ", dtype_of(weight),
               " on ", weight.device());
   return call_aten("aten::linear", "", x, weight, std::optional<Tensor>());
 }
@@ -72,19 +72,19 @@ void decoder_layer(Tensor& hidden, Tensor& residual, const Tensor& input_norm,
                    double eps, const std::optional<Tensor>& token_rows,
                    const std::optional<Tensor>& output_rows, const std::optional<Tensor>& output_positions) {
   QSPEC_CHECK(hidden.dim() == 2, kOp, "hidden", "must be 2-D [tokens, hidden_size], got ", hidden.sizes());
-  QSPEC_CHECK(residual.sizes() == hidden.sizes() && residual.scalar_type() == hidden.scalar_type(), kOp, "residual",
-              "must match hidden ", hidden.sizes(), " ", hidden.scalar_type(), ", got ", residual.sizes(), " ",
-              residual.scalar_type());
+  QSPEC_CHECK(residual.sizes() == hidden.sizes() && dtype_of(residual) == dtype_of(hidden), kOp, "residual",
+              "must match hidden ", hidden.sizes(), " ", dtype_of(hidden), ", got ", residual.sizes(), " ",
+              dtype_of(residual));
   QSPEC_CHECK(positions.dim() == 2, kOp, "positions", "must be 2-D [batch, tokens], got ", positions.sizes());
   const int64_t grid = positions.size(0) * positions.size(1);
   if (token_rows) {
     QSPEC_CHECK(token_rows->dim() == 1 && token_rows->size(0) == hidden.size(0) &&
-                    token_rows->scalar_type() == kLong && token_rows->device() == hidden.device(),
+                    dtype_of(*token_rows) == kLong && token_rows->device() == hidden.device(),
                 kOp, "token_rows", "must be int64 [", hidden.size(0), "] (hidden's rows) on ", hidden.device(),
-                ", got ", token_rows->scalar_type(), " ", token_rows->sizes(), " on ", token_rows->device());
+                ", got ", dtype_of(*token_rows), " ", token_rows->sizes(), " on ", token_rows->device());
     if (token_rows->is_cpu()) {  // (on CUDA the index ops below check the bounds)
       const Tensor rows = as_contiguous(*token_rows);
-      const int64_t* row = rows.const_data_ptr<int64_t>();
+      const int64_t* row = const_data<int64_t>(rows);
       for (int64_t i = 0; i < rows.numel(); ++i)
         QSPEC_CHECK(row[i] >= (i ? row[i - 1] + 1 : 0) && row[i] < grid, kOp, "token_rows",
                     "must be increasing rows of the [batch * tokens] = ", grid, " grid of positions, got ", row[i],
@@ -100,20 +100,20 @@ void decoder_layer(Tensor& hidden, Tensor& residual, const Tensor& input_norm,
               output_rows ? "output_rows" : "output_positions", ", got None");
   if (output_rows) {
     QSPEC_CHECK(!tree_start, kOp, "output_rows", "is for chains, not draft trees (tree_start given)");
-    QSPEC_CHECK(output_rows->dim() == 1 && output_rows->scalar_type() == kLong &&
+    QSPEC_CHECK(output_rows->dim() == 1 && dtype_of(*output_rows) == kLong &&
                     output_rows->device() == hidden.device(),
-                kOp, "output_rows", "must be int64 [rows] on ", hidden.device(), ", got ", output_rows->scalar_type(),
+                kOp, "output_rows", "must be int64 [rows] on ", hidden.device(), ", got ", dtype_of(*output_rows),
                 " ", output_rows->sizes(), " on ", output_rows->device());
     QSPEC_CHECK(output_positions->dim() == 2 && output_positions->size(0) == positions.size(0) &&
                     output_positions->numel() == output_rows->numel() &&
-                    output_positions->scalar_type() == positions.scalar_type(),
-                kOp, "output_positions", "must be ", positions.scalar_type(), " [", positions.size(0), ", ",
+                    dtype_of(*output_positions) == dtype_of(positions),
+                kOp, "output_positions", "must be ", dtype_of(positions), " [", positions.size(0), ", ",
                 positions.size(0) ? output_rows->numel() / positions.size(0) : 0, "] (output_rows' ",
                 output_rows->numel(), " tokens in ", positions.size(0), " requests), got ",
-                output_positions->scalar_type(), " ", output_positions->sizes());
+                dtype_of(*output_positions), " ", output_positions->sizes());
     if (output_rows->is_cpu()) {
       const Tensor rows = as_contiguous(*output_rows);
-      const int64_t* row = rows.const_data_ptr<int64_t>();
+      const int64_t* row = const_data<int64_t>(rows);
       for (int64_t i = 0; i < rows.numel(); ++i)
         QSPEC_CHECK(row[i] >= 0 && row[i] < hidden.size(0), kOp, "output_rows", "must be rows of hidden, in [0, ",
                     hidden.size(0), "), got ", row[i], " at index ", i);

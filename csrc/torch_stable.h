@@ -92,6 +92,31 @@ Tensor call_aten(const char* name, const char* overload, const Args&... args) {
   return torch::stable::detail::to<Tensor>(stack[0]);
 }
 
+// Tensor::scalar_type() maps the shim's dtype code through a chain of shim calls, and the typed
+// data pointers call it for their check: the entry points call these instead (the checks have
+// validated every dtype before a pointer is taken).
+inline ScalarType dtype_of(const Tensor& t) {
+  static const int32_t f32 = aoti_torch_dtype_float32(), f16 = aoti_torch_dtype_float16(),
+                       bf16 = aoti_torch_dtype_bfloat16(), i32 = aoti_torch_dtype_int32(),
+                       i64 = aoti_torch_dtype_int64();
+  int32_t code = 0;
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(t.get(), &code));
+  if (code == f32) return kFloat;
+  if (code == bf16) return kBFloat16;
+  if (code == f16) return kHalf;
+  if (code == i64) return kLong;
+  if (code == i32) return kInt;
+  return t.scalar_type();
+}
+template <typename T>
+const T* const_data(const Tensor& t) {
+  return static_cast<const T*>(t.const_data_ptr());
+}
+template <typename T>
+T* mutable_data(const Tensor& t) {
+  return static_cast<T*>(t.mutable_data_ptr());
+}
+
 // Views, allocation and copies straight through the C shim (a dispatcher call costs about a
 // microsecond: these run on every op call).
 

@@ -135,21 +135,21 @@ TreeVerifyParams<T> tree_verify_params(const Tensor& draft_ids, const Tensor& pa
                                        const TreeVerifyShape& s, Tensor& tokens, Tensor& out_ids,
                                        Tensor& num_accepted, Tensor& path) {
   TreeVerifyParams<T> p{};
-  p.draft_ids = draft_ids.const_data_ptr<int64_t>();
+  p.draft_ids = const_data<int64_t>(draft_ids);
   p.draft_stride = draft_ids.stride(0);
   p.draft_col_stride = draft_ids.stride(1);
   p.parents = parents.const_data_ptr();
-  p.parents_i64 = parents.scalar_type() == kLong;
-  p.logits = target_logits.const_data_ptr<T>();
+  p.parents_i64 = dtype_of(parents) == kLong;
+  p.logits = const_data<T>(target_logits);
   p.logits_stride_b = target_logits.stride(0);
   p.logits_stride_i = target_logits.stride(1);
-  p.temperature = temperature.has_value() ? temperature->const_data_ptr<float>() : nullptr;
-  p.seed = seed.has_value() ? seed->const_data_ptr<int64_t>() : nullptr;
-  p.offset = offset.has_value() ? offset->const_data_ptr<int64_t>() : nullptr;
-  p.tokens = tokens.defined() ? tokens.mutable_data_ptr<int64_t>() : nullptr;
-  p.out_ids = out_ids.mutable_data_ptr<int64_t>();
-  p.num_accepted = num_accepted.mutable_data_ptr<int64_t>();
-  p.path = path.mutable_data_ptr<int64_t>();
+  p.temperature = temperature.has_value() ? const_data<float>(*temperature) : nullptr;
+  p.seed = seed.has_value() ? const_data<int64_t>(*seed) : nullptr;
+  p.offset = offset.has_value() ? const_data<int64_t>(*offset) : nullptr;
+  p.tokens = tokens.defined() ? mutable_data<int64_t>(tokens) : nullptr;
+  p.out_ids = mutable_data<int64_t>(out_ids);
+  p.num_accepted = mutable_data<int64_t>(num_accepted);
+  p.path = mutable_data<int64_t>(path);
   p.batch = s.batch;
   p.num_nodes = s.num_nodes;
   p.vocab = s.vocab;
@@ -165,32 +165,32 @@ VerifyParams<T> verify_params(const Tensor& draft_ids, const std::optional<Tenso
                               const VerifyShape& s, Tensor& rows, Tensor& out_ids,
                               Tensor& num_accepted) {
   VerifyParams<T> p{};
-  p.draft_ids = draft_ids.const_data_ptr<int64_t>();
+  p.draft_ids = const_data<int64_t>(draft_ids);
   p.draft_stride = draft_ids.stride(0);
   p.draft_col_stride = draft_ids.stride(1);
-  p.logits = target_logits.const_data_ptr<T>();
+  p.logits = const_data<T>(target_logits);
   p.logits_stride_b = target_logits.stride(0);
   p.logits_stride_i = target_logits.stride(1);
   if (s.has_probs) {
     p.draft_probs = draft_probs->const_data_ptr();
-    p.probs_f32 = draft_probs->scalar_type() == kFloat;
+    p.probs_f32 = dtype_of(*draft_probs) == kFloat;
     p.probs_stride_b = draft_probs->stride(0);
     p.probs_stride_i = draft_probs->stride(1);
   }
   if (s.has_d2t) {
     p.d2t = d2t->const_data_ptr();
-    p.d2t_i64 = d2t->scalar_type() == kLong;
+    p.d2t_i64 = dtype_of(*d2t) == kLong;
   }
   if (s.has_num_draft) {
     p.num_draft = num_draft->const_data_ptr();
-    p.num_draft_i64 = num_draft->scalar_type() == kLong;
+    p.num_draft_i64 = dtype_of(*num_draft) == kLong;
   }
-  p.temperature = temperature.has_value() ? temperature->const_data_ptr<float>() : nullptr;
-  p.seed = seed.has_value() ? seed->const_data_ptr<int64_t>() : nullptr;
-  p.offset = offset.has_value() ? offset->const_data_ptr<int64_t>() : nullptr;
+  p.temperature = temperature.has_value() ? const_data<float>(*temperature) : nullptr;
+  p.seed = seed.has_value() ? const_data<int64_t>(*seed) : nullptr;
+  p.offset = offset.has_value() ? const_data<int64_t>(*offset) : nullptr;
   p.rows = reinterpret_cast<VerifyRowStats*>(rows.mutable_data_ptr());
-  p.out_ids = out_ids.mutable_data_ptr<int64_t>();
-  p.num_accepted = num_accepted.mutable_data_ptr<int64_t>();
+  p.out_ids = mutable_data<int64_t>(out_ids);
+  p.num_accepted = mutable_data<int64_t>(num_accepted);
   p.batch = s.batch;
   p.num_draft_max = s.num_draft_max;
   p.vocab = s.vocab;

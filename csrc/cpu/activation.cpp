@@ -48,9 +48,9 @@ QSPEC_CPU_CLONES void silu_and_mul_rows(const c10::BFloat16* in, int64_t in_stri
 
 void silu_and_mul_cpu(const Tensor& rows, Tensor& out) {
   const int64_t width = out.size(1);
-  QSPEC_DISPATCH_ACTIVATION(rows.scalar_type(), "silu_and_mul_cpu", [&] {
-    const scalar_t* in = rows.const_data_ptr<scalar_t>();
-    scalar_t* dst = out.mutable_data_ptr<scalar_t>();
+  QSPEC_DISPATCH_ACTIVATION(dtype_of(rows), "silu_and_mul_cpu", [&] {
+    const scalar_t* in = const_data<scalar_t>(rows);
+    scalar_t* dst = mutable_data<scalar_t>(out);
     torch::stable::parallel_for(0, rows.size(0), grain_for(2 * width), [&](int64_t begin, int64_t end) {
       silu_and_mul_rows(in, rows.stride(0), dst, width, begin, end);
     });

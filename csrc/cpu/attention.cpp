@@ -841,17 +841,17 @@ void cached_attention_cpu(const Tensor& query, const Tensor& k_cache, const Tens
   constexpr std::string_view op = "cached_attention";
   check_index_range(op, "positions", positions, -1, s.max_length, "cache positions, -1 = padding");
   if (s.has_tree) check_index_range(op, "tree_start", *tree_start, -1, s.max_length, "cache slots, -1 = inactive");
-  QSPEC_DISPATCH_ACTIVATION(query.scalar_type(), "cached_attention_cpu", [&] {
+  QSPEC_DISPATCH_ACTIVATION(dtype_of(query), "cached_attention_cpu", [&] {
     AttentionParams<scalar_t> p{};
-    p.query = query.const_data_ptr<scalar_t>();
+    p.query = const_data<scalar_t>(query);
     p.q_stride_b = query.stride(0), p.q_stride_t = query.stride(1), p.q_stride_h = query.stride(2);
-    p.k_cache = k_cache.const_data_ptr<scalar_t>();
-    p.v_cache = v_cache.const_data_ptr<scalar_t>();
+    p.k_cache = const_data<scalar_t>(k_cache);
+    p.v_cache = const_data<scalar_t>(v_cache);
     p.positions = positions.const_data_ptr();
-    p.positions_i64 = positions.scalar_type() == kLong;
-    p.tree_start = s.has_tree ? tree_start->const_data_ptr<int64_t>() : nullptr;
-    p.tree_seen = s.has_tree ? tree_seen->const_data_ptr<bool>() : nullptr;
-    p.out = out.mutable_data_ptr<scalar_t>();
+    p.positions_i64 = dtype_of(positions) == kLong;
+    p.tree_start = s.has_tree ? const_data<int64_t>(*tree_start) : nullptr;
+    p.tree_seen = s.has_tree ? const_data<bool>(*tree_seen) : nullptr;
+    p.out = mutable_data<scalar_t>(out);
     p.batch = s.batch, p.tokens = s.tokens, p.heads_q = s.heads_q, p.heads_kv = s.heads_kv;
     p.head_dim = s.head_dim, p.max_length = s.max_length, p.scratch = s.scratch;
     p.window = window;

@@ -73,7 +73,7 @@ void gather_aux_hidden_cpu(std::string_view op, const TensorList& aux, const Ten
   if (s.num_rows == 0 || s.hidden == 0) return;
   std::optional<FloatWeight> weight;
   if (norm_weight.has_value()) weight.emplace(*norm_weight);
-  QSPEC_DISPATCH_ACTIVATION(aux[0].scalar_type(), "gather_aux_hidden_cpu", [&] {
+  QSPEC_DISPATCH_ACTIVATION(dtype_of(aux[0]), "gather_aux_hidden_cpu", [&] {
     AuxGatherParams<scalar_t> p = aux_gather_params<scalar_t>(aux, indices, residual, norm_weight, eps, s, out);
     if (weight.has_value()) p.weight = weight->data(), p.weight_f32 = true;
     torch::stable::parallel_for(0, s.num_rows, grain_for(s.num_aux * s.hidden),

@@ -117,13 +117,13 @@ class FloatWeight {
  public:
   explicit FloatWeight(const Tensor& weight) {
     STD_TORCH_CHECK(weight.is_contiguous());  // the ops' checks
-    if (weight.scalar_type() == kFloat) {
-      data_ = weight.const_data_ptr<float>();
+    if (dtype_of(weight) == kFloat) {
+      data_ = const_data<float>(weight);
       return;
     }
     copy_.resize(weight.numel());
-    QSPEC_DISPATCH_ACTIVATION(weight.scalar_type(), "FloatWeight", [&] {
-      load_float(weight.const_data_ptr<scalar_t>(), copy_.data(), weight.numel());
+    QSPEC_DISPATCH_ACTIVATION(dtype_of(weight), "FloatWeight", [&] {
+      load_float(const_data<scalar_t>(weight), copy_.data(), weight.numel());
     });
     data_ = copy_.data();
   }
@@ -138,7 +138,7 @@ class FloatWeight {
 class Indices {
  public:
   explicit Indices(const Tensor& t)
-      : data_(t.const_data_ptr()), i64_(t.scalar_type() == kLong), size_(t.numel()) {}
+      : data_(t.const_data_ptr()), i64_(dtype_of(t) == kLong), size_(t.numel()) {}
   int64_t operator[](int64_t i) const {
     return i64_ ? static_cast<const int64_t*>(data_)[i] : static_cast<const int32_t*>(data_)[i];
   }

@@ -169,8 +169,8 @@ void check_distinct_slots(std::string_view op, const Tensor& slot_mapping) {
 
 void rms_norm_cpu(const Tensor& rows, const Tensor& weight, double eps, Tensor& out) {
   const FloatWeight w(weight);
-  QSPEC_DISPATCH_ACTIVATION(rows.scalar_type(), "rms_norm_cpu", [&] {
-    const RowNormParams<scalar_t> p{rows.const_data_ptr<scalar_t>(), rows.stride(0), out.mutable_data_ptr<scalar_t>(),
+  QSPEC_DISPATCH_ACTIVATION(dtype_of(rows), "rms_norm_cpu", [&] {
+    const RowNormParams<scalar_t> p{const_data<scalar_t>(rows), rows.stride(0), mutable_data<scalar_t>(out),
                                     rows.size(1), nullptr, 0, w.data(), rows.size(1), static_cast<float>(eps)};
     torch::stable::parallel_for(0, rows.size(0), grain_for(rows.size(1)),
                      [&](int64_t b, int64_t e) { rms_norm_rows(p, b, e); });
@@ -179,9 +179,9 @@ void rms_norm_cpu(const Tensor& rows, const Tensor& weight, double eps, Tensor& 
 
 void fused_add_rms_norm_cpu(Tensor& in_rows, Tensor& res_rows, const Tensor& weight, double eps) {
   const FloatWeight w(weight);
-  QSPEC_DISPATCH_ACTIVATION(in_rows.scalar_type(), "fused_add_rms_norm_cpu", [&] {
-    scalar_t* in = in_rows.mutable_data_ptr<scalar_t>();
-    const RowNormParams<scalar_t> p{in, in_rows.stride(0), in, in_rows.stride(0), res_rows.mutable_data_ptr<scalar_t>(),
+  QSPEC_DISPATCH_ACTIVATION(dtype_of(in_rows), "fused_add_rms_norm_cpu", [&] {
+    scalar_t* in = mutable_data<scalar_t>(in_rows);
+    const RowNormParams<scalar_t> p{in, in_rows.stride(0), in, in_rows.stride(0), mutable_data<scalar_t>(res_rows),
                                     res_rows.stride(0), w.data(), in_rows.size(1), static_cast<float>(eps)};
     torch::stable::parallel_for(0, in_rows.size(0), grain_for(in_rows.size(1)),
                      [&](int64_t b, int64_t e) { fused_add_rms_norm_rows(p, b, e); });
@@ -193,16 +193,16 @@ void eagle3_input_norm_cpu(const Tensor& embeds, const Tensor& hidden, const Ten
                            Tensor& residual) {
   const int64_t rows = embeds.size(0), width = embeds.size(1);
   const FloatWeight we(embed_weight), wh(hidden_weight);
-  QSPEC_DISPATCH_ACTIVATION(embeds.scalar_type(), "eagle3_input_norm_cpu", [&] {
-    scalar_t* out = x.mutable_data_ptr<scalar_t>();
+  QSPEC_DISPATCH_ACTIVATION(dtype_of(embeds), "eagle3_input_norm_cpu", [&] {
+    scalar_t* out = mutable_data<scalar_t>(x);
     const float e = static_cast<float>(eps);
-    const RowNormParams<scalar_t> pe{embeds.const_data_ptr<scalar_t>(), embeds.stride(0), out, 2 * width,
+    const RowNormParams<scalar_t> pe{const_data<scalar_t>(embeds), embeds.stride(0), out, 2 * width,
                                      nullptr, 0, we.data(), width, e};
-    const RowNormParams<scalar_t> ph{hidden.const_data_ptr<scalar_t>(), hidden.stride(0), out + width, 2 * width,
+    const RowNormParams<scalar_t> ph{const_data<scalar_t>(hidden), hidden.stride(0), out + width, 2 * width,
                                      nullptr, 0, wh.data(), width, e};
-    const scalar_t* res_src = norm_before_residual ? out + width : hidden.const_data_ptr<scalar_t>();
+    const scalar_t* res_src = norm_before_residual ? out + width : const_data<scalar_t>(hidden);
     const int64_t res_stride = norm_before_residual ? 2 * width : hidden.stride(0);
-    scalar_t* res_dst = residual.mutable_data_ptr<scalar_t>();
+    scalar_t* res_dst = mutable_data<scalar_t>(residual);
     torch::stable::parallel_for(0, rows, grain_for(2 * width), [&](int64_t b, int64_t end) {
       rms_norm_rows(pe, b, end);
       rms_norm_rows(ph, b, end);
@@ -226,22 +226,22 @@ void qk_norm_rope_cpu(Tensor& qkv, const std::optional<Tensor>& q_weight,
   if (s.num_tokens == 0) return;
   const std::optional<FloatWeight> qw = s.has_norm ? std::optional<FloatWeight>(*q_weight) : std::nullopt;
   const std::optional<FloatWeight> kw = s.has_norm ? std::optional<FloatWeight>(*k_weight) : std::nullopt;
-  const bool cs_f32 = cos_sin_cache.scalar_type() == kFloat;
+  const bool cs_f32 = dtype_of(cos_sin_cache) == kFloat;
   const Indices position_values(positions);
   const std::optional<Indices> slot_values = s.has_cache ? std::optional<Indices>(*slot_mapping) : std::nullopt;
-  QSPEC_DISPATCH_ACTIVATION(qkv.scalar_type(), "qk_norm_rope_cpu", [&] {
+  QSPEC_DISPATCH_ACTIVATION(dtype_of(qkv), "qk_norm_rope_cpu", [&] {
     QKNormRopeParams<scalar_t> p{};
-    p.qkv = qkv.mutable_data_ptr<scalar_t>();
+    p.qkv = mutable_data<scalar_t>(qkv);
     p.qkv_stride = qkv.stride(0);
     p.q_weight = s.has_norm ? qw->data() : nullptr;
     p.k_weight = s.has_norm ? kw->data() : nullptr;
-    p.cos_sin_f32 = cs_f32 ? cos_sin_cache.const_data_ptr<float>() : nullptr;
-    p.cos_sin_t = cs_f32 ? nullptr : cos_sin_cache.const_data_ptr<scalar_t>();
+    p.cos_sin_f32 = cs_f32 ? const_data<float>(cos_sin_cache) : nullptr;
+    p.cos_sin_t = cs_f32 ? nullptr : const_data<scalar_t>(cos_sin_cache);
     p.positions = &position_values;
     if (s.has_cache) {
       p.slot_mapping = &*slot_values;
-      p.k_cache = k_cache->mutable_data_ptr<scalar_t>();
-      p.v_cache = v_cache->mutable_data_ptr<scalar_t>();
+      p.k_cache = mutable_data<scalar_t>(*k_cache);
+      p.v_cache = mutable_data<scalar_t>(*v_cache);
       p.k_cache_strides[0] = k_cache->stride(0);
       p.k_cache_strides[1] = k_cache->stride(1);
       p.v_cache_strides[0] = v_cache->stride(0);

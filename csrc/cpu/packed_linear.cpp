@@ -437,10 +437,10 @@ const bool kAmx = kBf16Dot && detect_amx();
 Tensor packed_linear_cpu(const Tensor& input, const Tensor& packed_weight, int64_t out_features) {
   QSPEC_CHECK(input.dim() == 2, kOp, "input", "must be 2-D [rows, in_features], got ", input.dim(), "-D ",
               input.sizes());
-  QSPEC_CHECK(input.scalar_type() == kFloat || input.scalar_type() == kBFloat16, kOp, "input",
-              "must be float32 or bfloat16, got ", input.scalar_type());
-  QSPEC_CHECK(input.scalar_type() == packed_weight.scalar_type(), kOp, "input", "must have the packed weight's dtype ",
-              packed_weight.scalar_type(), ", got ", input.scalar_type());
+  QSPEC_CHECK(dtype_of(input) == kFloat || dtype_of(input) == kBFloat16, kOp, "input",
+              "must be float32 or bfloat16, got ", dtype_of(input));
+  QSPEC_CHECK(dtype_of(input) == dtype_of(packed_weight), kOp, "input", "must have the packed weight's dtype ",
+              dtype_of(packed_weight), ", got ", dtype_of(input));
   const int64_t group = 4 / static_cast<int64_t>(input.element_size());  // inputs per 4-byte lane
   QSPEC_CHECK(packed_weight.dim() == 4 && packed_weight.size(2) == kPanel && packed_weight.size(3) == group, kOp,
               "packed_weight", "must be 4-D [ceil(out_features / ", kPanel, "), ceil(in_features / ", group, "), ",
@@ -458,11 +458,11 @@ Tensor packed_linear_cpu(const Tensor& input, const Tensor& packed_weight, int64
   const int64_t M = input.size(0), N = out_features;
   if (M == 0 || K == 0) return torch::stable::zero_(out);
 #if QSPEC_BF16_DOT
-  if (input.scalar_type() == kBFloat16 && kBf16Dot) {
+  if (dtype_of(input) == kBFloat16 && kBf16Dot) {
     const Tensor x = input.stride(1) == 1 ? input : as_contiguous(input);
-    const auto* rows = reinterpret_cast<const uint16_t*>(x.const_data_ptr<c10::BFloat16>());
-    const auto* packed = reinterpret_cast<const uint16_t*>(packed_weight.const_data_ptr<c10::BFloat16>());
-    auto* result = out.mutable_data_ptr<c10::BFloat16>();
+    const auto* rows = reinterpret_cast<const uint16_t*>(const_data<c10::BFloat16>(x));
+    const auto* packed = reinterpret_cast<const uint16_t*>(const_data<c10::BFloat16>(packed_weight));
+    auto* result = mutable_data<c10::BFloat16>(out);
     if (kAmx)
       amx_gemm(rows, x.stride(0), packed, M, K, N, result);
     else
@@ -472,13 +472,13 @@ Tensor packed_linear_cpu(const Tensor& input, const Tensor& packed_weight, int64
 #endif
   // The rows in fp32 with unit column stride (a bf16 input is widened once, not per panel).
   const Tensor x =
-      input.scalar_type() == kFloat && input.stride(1) == 1 ? input : as_contiguous(torch::stable::to(input, kFloat));
-  if (input.scalar_type() == kFloat)
-    packed_gemm(x.const_data_ptr<float>(), x.stride(0), packed_weight.const_data_ptr<float>(), M, K, N,
-                out.mutable_data_ptr<float>());
+      dtype_of(input) == kFloat && input.stride(1) == 1 ? input : as_contiguous(torch::stable::to(input, kFloat));
+  if (dtype_of(input) == kFloat)
+    packed_gemm(const_data<float>(x), x.stride(0), const_data<float>(packed_weight), M, K, N,
+                mutable_data<float>(out));
   else
-    packed_gemm(x.const_data_ptr<float>(), x.stride(0), packed_weight.const_data_ptr<c10::BFloat16>(), M, K, N,
-                out.mutable_data_ptr<c10::BFloat16>());
+    packed_gemm(const_data<float>(x), x.stride(0), const_data<c10::BFloat16>(packed_weight), M, K, N,
+                mutable_data<c10::BFloat16>(out));
   return out;
 }
 

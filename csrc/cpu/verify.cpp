@@ -273,7 +273,7 @@ void verify_cpu_impl(const VerifyParams<T>& p) {
 
 void check_temperatures(std::string_view op, const std::optional<Tensor>& temperature, int64_t batch) {
   if (!temperature.has_value()) return;
-  const float* t = temperature->const_data_ptr<float>();
+  const float* t = const_data<float>(*temperature);
   for (int64_t b = 0; b < batch; ++b)
     QSPEC_CHECK(t[b] >= 0.f && t[b] < INFINITY, op, "temperature", "must hold finite values >= 0 (0 = greedy), got ",
                 t[b], " at index ", b);
@@ -285,7 +285,7 @@ void check_verify_values(std::string_view op, const Tensor& draft_ids, const Ver
                          const std::optional<Tensor>& d2t) {
   if (num_draft.has_value())
     check_index_range(op, "num_draft", *num_draft, 0, s.num_draft_max + 1, "drafts per request, at most K");
-  const int64_t* ids = draft_ids.const_data_ptr<int64_t>();
+  const int64_t* ids = const_data<int64_t>(draft_ids);
   const int64_t row_stride = draft_ids.stride(0), col_stride = draft_ids.stride(1);
   const std::optional<Indices> drafts = num_draft.has_value() ? std::optional<Indices>(*num_draft) : std::nullopt;
   for (int64_t b = 0; b < s.batch; ++b) {
@@ -346,7 +346,7 @@ void verify_tree_cpu_impl(const TreeVerifyParams<T>& p) {
 void check_tree_values(std::string_view op, const Tensor& draft_ids, const Tensor& parents,
                        const TreeVerifyShape& s, const std::optional<Tensor>& temperature) {
   const int64_t N = s.num_nodes;
-  const int64_t* ids = draft_ids.const_data_ptr<int64_t>();
+  const int64_t* ids = const_data<int64_t>(draft_ids);
   const int64_t row_stride = draft_ids.stride(0), col_stride = draft_ids.stride(1);
   const Indices parent_of(parents);
   for (int64_t b = 0; b < s.batch; ++b)
@@ -377,7 +377,7 @@ void verify_cpu(std::string_view op, const Tensor& draft_ids, const std::optiona
   check_verify_values(op, draft_ids, s, num_draft, temperature, d2t);
   if (s.batch == 0) return;
   Tensor rows = verify_rows_workspace(s, target_logits);
-  QSPEC_DISPATCH_ACTIVATION(target_logits.scalar_type(), "verify_cpu", [&] {
+  QSPEC_DISPATCH_ACTIVATION(dtype_of(target_logits), "verify_cpu", [&] {
     const VerifyParams<scalar_t> p = verify_params<scalar_t>(draft_ids, draft_probs, target_logits, temperature, seed,
                                                              offset, d2t, num_draft, s, rows, out_ids, num_accepted);
     verify_cpu_impl(p);
@@ -393,7 +393,7 @@ void verify_tree_cpu(std::string_view op, const Tensor& draft_ids, const Tensor&
   check_tree_values(op, draft_ids, parents, s, temperature);
   if (s.batch == 0) return;
   Tensor no_workspace;
-  QSPEC_DISPATCH_ACTIVATION(target_logits.scalar_type(), "verify_tree_cpu", [&] {
+  QSPEC_DISPATCH_ACTIVATION(dtype_of(target_logits), "verify_tree_cpu", [&] {
     verify_tree_cpu_impl(tree_verify_params<scalar_t>(draft_ids, parents, target_logits, temperature, seed, offset, s,
                                                       no_workspace, out_ids, num_accepted, path));
   });

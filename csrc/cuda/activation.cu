@@ -40,13 +40,13 @@ void silu_and_mul_cuda(const Tensor& rows, Tensor& out) {
   const cuda::DeviceContext context(rows);
   const cudaStream_t stream = context.stream();
   const int64_t width = out.size(1);
-  QSPEC_DISPATCH_ACTIVATION(rows.scalar_type(), "silu_and_mul_cuda", [&] {
-    const scalar_t* in = rows.const_data_ptr<scalar_t>();
+  QSPEC_DISPATCH_ACTIVATION(dtype_of(rows), "silu_and_mul_cuda", [&] {
+    const scalar_t* in = const_data<scalar_t>(rows);
     const int vec = cuda::pick_vec<scalar_t>(
         width, {{in, rows.stride(0)}, {in + width, rows.stride(0)}, {out.const_data_ptr(), width}});
     cuda::with_vec<scalar_t>(vec, [&](auto V) {
       silu_and_mul_kernel<scalar_t, decltype(V)::value><<<rows.size(0), cuda::row_threads(width, V), 0, stream>>>(
-          in, rows.stride(0), out.mutable_data_ptr<scalar_t>(), static_cast<int>(width));
+          in, rows.stride(0), mutable_data<scalar_t>(out), static_cast<int>(width));
     });
   });
   QSPEC_KERNEL_LAUNCH_CHECK();

@@ -153,22 +153,22 @@ void cached_attention_cuda(const Tensor& query, const Tensor& k_cache, const Ten
   const int splits = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({wanted, by_length, kMaxSplits})));
   Tensor states;
   if (splits > 1) states = empty({rows * splits * (s.head_dim + 2)}, query, kFloat);
-  QSPEC_DISPATCH_ACTIVATION(query.scalar_type(), "cached_attention_cuda", [&] {
+  QSPEC_DISPATCH_ACTIVATION(dtype_of(query), "cached_attention_cuda", [&] {
     AttentionParams<scalar_t> p{};
-    p.query = query.const_data_ptr<scalar_t>();
+    p.query = const_data<scalar_t>(query);
     p.q_stride_b = query.stride(0), p.q_stride_t = query.stride(1), p.q_stride_h = query.stride(2);
-    p.k_cache = k_cache.const_data_ptr<scalar_t>();
-    p.v_cache = v_cache.const_data_ptr<scalar_t>();
+    p.k_cache = const_data<scalar_t>(k_cache);
+    p.v_cache = const_data<scalar_t>(v_cache);
     p.positions = positions.const_data_ptr();
-    p.positions_i64 = positions.scalar_type() == kLong;
-    p.tree_start = s.has_tree ? tree_start->const_data_ptr<int64_t>() : nullptr;
-    p.tree_seen = s.has_tree ? tree_seen->const_data_ptr<bool>() : nullptr;
-    p.out = out.mutable_data_ptr<scalar_t>();
+    p.positions_i64 = dtype_of(positions) == kLong;
+    p.tree_start = s.has_tree ? const_data<int64_t>(*tree_start) : nullptr;
+    p.tree_seen = s.has_tree ? const_data<bool>(*tree_seen) : nullptr;
+    p.out = mutable_data<scalar_t>(out);
     p.batch = s.batch, p.tokens = s.tokens, p.heads_q = s.heads_q, p.heads_kv = s.heads_kv;
     p.head_dim = s.head_dim, p.max_length = s.max_length, p.scratch = s.scratch;
     p.window = window;
     p.scale = static_cast<float>(scale);
-    float* state_ptr = splits > 1 ? states.mutable_data_ptr<float>() : nullptr;
+    float* state_ptr = splits > 1 ? mutable_data<float>(states) : nullptr;
     const int64_t per_lane = (s.head_dim + kWarpSize - 1) / kWarpSize;
     if (per_lane <= 2)
       launch<scalar_t, 2>(p, rows, splits, state_ptr, stream);

@@ -97,7 +97,7 @@ void gather_aux_hidden_cuda(std::string_view op, const TensorList& aux, const Te
   if (s.num_rows == 0 || s.hidden == 0) return;
   const cuda::DeviceContext context(aux[0]);
   const cudaStream_t stream = context.stream();
-  QSPEC_DISPATCH_ACTIVATION(aux[0].scalar_type(), "gather_aux_hidden_cuda", [&] {
+  QSPEC_DISPATCH_ACTIVATION(dtype_of(aux[0]), "gather_aux_hidden_cuda", [&] {
     const AuxGatherParams<scalar_t> p = aux_gather_params<scalar_t>(aux, indices, residual, norm_weight, eps, s, out);
     std::vector<cuda::RowPtr> rows{{out.mutable_data_ptr(), out.stride(0)}};
     for (int i = 0; i < s.num_aux; ++i) {

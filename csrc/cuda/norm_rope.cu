@@ -223,12 +223,12 @@ void rms_norm_cuda(const Tensor& rows, const Tensor& weight, double eps, Tensor&
   const cuda::DeviceContext context(rows);
   const cudaStream_t stream = context.stream();
   const int64_t width = rows.size(1);
-  QSPEC_DISPATCH_ACTIVATION(rows.scalar_type(), "rms_norm_cuda", [&] {
+  QSPEC_DISPATCH_ACTIVATION(dtype_of(rows), "rms_norm_cuda", [&] {
     const int vec = pick_vec<scalar_t>(width, {{rows.const_data_ptr(), rows.stride(0)}, {out.mutable_data_ptr(), width}});
     with_vec<scalar_t>(vec, [&](auto V) {
       rms_norm_kernel<scalar_t, decltype(V)::value><<<rows.size(0), row_threads(width, V), 0, stream>>>(
-          rows.const_data_ptr<scalar_t>(), rows.stride(0), out.mutable_data_ptr<scalar_t>(), weight.const_data_ptr(),
-          weight.scalar_type() == kFloat, static_cast<int>(width), static_cast<float>(eps));
+          const_data<scalar_t>(rows), rows.stride(0), mutable_data<scalar_t>(out), weight.const_data_ptr(),
+          dtype_of(weight) == kFloat, static_cast<int>(width), static_cast<float>(eps));
     });
   });
   QSPEC_KERNEL_LAUNCH_CHECK();
@@ -238,13 +238,13 @@ void fused_add_rms_norm_cuda(Tensor& in_rows, Tensor& res_rows, const Tensor& we
   const cuda::DeviceContext context(in_rows);
   const cudaStream_t stream = context.stream();
   const int64_t width = in_rows.size(1);
-  QSPEC_DISPATCH_ACTIVATION(in_rows.scalar_type(), "fused_add_rms_norm_cuda", [&] {
+  QSPEC_DISPATCH_ACTIVATION(dtype_of(in_rows), "fused_add_rms_norm_cuda", [&] {
     const int vec = pick_vec<scalar_t>(
         width, {{in_rows.mutable_data_ptr(), in_rows.stride(0)}, {res_rows.mutable_data_ptr(), res_rows.stride(0)}});
     with_vec<scalar_t>(vec, [&](auto V) {
       fused_add_rms_norm_kernel<scalar_t, decltype(V)::value><<<in_rows.size(0), row_threads(width, V), 0, stream>>>(
-          in_rows.mutable_data_ptr<scalar_t>(), in_rows.stride(0), res_rows.mutable_data_ptr<scalar_t>(), res_rows.stride(0),
-          weight.const_data_ptr(), weight.scalar_type() == kFloat, static_cast<int>(width),
+          mutable_data<scalar_t>(in_rows), in_rows.stride(0), mutable_data<scalar_t>(res_rows), res_rows.stride(0),
+          weight.const_data_ptr(), dtype_of(weight) == kFloat, static_cast<int>(width),
           static_cast<float>(eps));
     });
   });
@@ -257,17 +257,17 @@ void eagle3_input_norm_cuda(const Tensor& embeds, const Tensor& hidden, const Te
   const int64_t rows = embeds.size(0), width = embeds.size(1);
   const cuda::DeviceContext context(embeds);
   const cudaStream_t stream = context.stream();
-  QSPEC_DISPATCH_ACTIVATION(embeds.scalar_type(), "eagle3_input_norm_cuda", [&] {
+  QSPEC_DISPATCH_ACTIVATION(dtype_of(embeds), "eagle3_input_norm_cuda", [&] {
     const int vec = pick_vec<scalar_t>(width, {{embeds.const_data_ptr(), embeds.stride(0)},
                                                {hidden.const_data_ptr(), hidden.stride(0)},
                                                {x.mutable_data_ptr(), 2 * width},
                                                {residual.mutable_data_ptr(), width}});
     with_vec<scalar_t>(vec, [&](auto V) {
       eagle3_input_norm_kernel<scalar_t, decltype(V)::value><<<rows, row_threads(width, V), 0, stream>>>(
-          embeds.const_data_ptr<scalar_t>(), embeds.stride(0), hidden.const_data_ptr<scalar_t>(), hidden.stride(0),
-          x.mutable_data_ptr<scalar_t>(), residual.mutable_data_ptr<scalar_t>(), embed_weight.const_data_ptr(),
-          embed_weight.scalar_type() == kFloat, hidden_weight.const_data_ptr(),
-          hidden_weight.scalar_type() == kFloat, static_cast<int>(width), static_cast<float>(eps),
+          const_data<scalar_t>(embeds), embeds.stride(0), const_data<scalar_t>(hidden), hidden.stride(0),
+          mutable_data<scalar_t>(x), mutable_data<scalar_t>(residual), embed_weight.const_data_ptr(),
+          dtype_of(embed_weight) == kFloat, hidden_weight.const_data_ptr(),
+          dtype_of(hidden_weight) == kFloat, static_cast<int>(width), static_cast<float>(eps),
           norm_before_residual);
     });
   });
@@ -285,22 +285,22 @@ void qk_norm_rope_cuda(Tensor& qkv, const std::optional<Tensor>& q_weight,
   const cudaStream_t stream = context.stream();
   const int64_t heads_per_token = num_heads_q + num_heads_kv + (s.has_cache ? num_heads_kv : 0);
   const int64_t blocks = (s.num_tokens * heads_per_token + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  QSPEC_DISPATCH_ACTIVATION(qkv.scalar_type(), "qk_norm_rope_cuda", [&] {
+  QSPEC_DISPATCH_ACTIVATION(dtype_of(qkv), "qk_norm_rope_cuda", [&] {
     QKNormRopeArgs<scalar_t> a{};
-    a.qkv = qkv.mutable_data_ptr<scalar_t>();
+    a.qkv = mutable_data<scalar_t>(qkv);
     a.qkv_stride = qkv.stride(0);
     a.q_weight = s.has_norm ? q_weight->const_data_ptr() : nullptr;
     a.k_weight = s.has_norm ? k_weight->const_data_ptr() : nullptr;
-    a.weight_f32 = s.has_norm && q_weight->scalar_type() == kFloat;
+    a.weight_f32 = s.has_norm && dtype_of(*q_weight) == kFloat;
     a.cos_sin = cos_sin_cache.const_data_ptr();
-    a.cos_sin_f32 = cos_sin_cache.scalar_type() == kFloat;
+    a.cos_sin_f32 = dtype_of(cos_sin_cache) == kFloat;
     a.positions = positions.const_data_ptr();
-    a.positions_i64 = positions.scalar_type() == kLong;
+    a.positions_i64 = dtype_of(positions) == kLong;
     if (s.has_cache) {
       a.slot_mapping = slot_mapping->const_data_ptr();
-      a.slots_i64 = slot_mapping->scalar_type() == kLong;
-      a.k_cache = k_cache->mutable_data_ptr<scalar_t>();
-      a.v_cache = v_cache->mutable_data_ptr<scalar_t>();
+      a.slots_i64 = dtype_of(*slot_mapping) == kLong;
+      a.k_cache = mutable_data<scalar_t>(*k_cache);
+      a.v_cache = mutable_data<scalar_t>(*v_cache);
       a.k_slot_stride = k_cache->stride(0);
       a.k_head_stride = k_cache->stride(1);
       a.v_slot_stride = v_cache->stride(0);

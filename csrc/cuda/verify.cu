@@ -409,7 +409,7 @@ void verify_cuda(std::string_view op, const Tensor& draft_ids, const std::option
   const cuda::DeviceContext context(target_logits);
   const cudaStream_t stream = context.stream();
   Tensor rows = verify_rows_workspace(s, target_logits);
-  QSPEC_DISPATCH_ACTIVATION(target_logits.scalar_type(), "verify_cuda", [&] {
+  QSPEC_DISPATCH_ACTIVATION(dtype_of(target_logits), "verify_cuda", [&] {
     const VerifyParams<scalar_t> p = verify_params<scalar_t>(draft_ids, draft_probs, target_logits, temperature, seed,
                                                              offset, d2t, num_draft, s, rows, out_ids, num_accepted);
     // 1-D grids: B * (K + 1) <= 2^31 - 1 is checked with the shapes.
@@ -430,7 +430,7 @@ void verify_tree_cuda(std::string_view op, const Tensor& draft_ids, const Tensor
   const cuda::DeviceContext context(target_logits);
   const cudaStream_t stream = context.stream();
   Tensor tokens = empty({s.batch, s.num_nodes + 1}, draft_ids);
-  QSPEC_DISPATCH_ACTIVATION(target_logits.scalar_type(), "verify_tree_cuda", [&] {
+  QSPEC_DISPATCH_ACTIVATION(dtype_of(target_logits), "verify_tree_cuda", [&] {
     const TreeVerifyParams<scalar_t> p = tree_verify_params<scalar_t>(draft_ids, parents, target_logits, temperature,
                                                                      seed, offset, s, tokens, out_ids, num_accepted,
                                                                      path);
