@@ -184,6 +184,8 @@ def test_opcheck_and_compile(device):
                                                       " = hidden's 6 rows, got [2, 2]"),
     (dict(o_weight=torch.randn(48, 63)), "argument 'o_weight' must be [48, 64] (or packed, 4-D), got [48, 63]"),
     (dict(intermediate_size=0), "argument 'intermediate_size' must be positive, got 0"),
+    (dict(o_weight=torch.randn(48, 64).double()), "argument 'o_weight' must have hidden's dtype Float and device cpu, "
+                                                  "got Double on cpu"),
 ])
 def test_bad_input_names_the_op_and_the_argument(change, message):
     args = dict(layer_args("cpu", torch.float32), **change)
