@@ -124,9 +124,9 @@ __all__ = [
 def build_info() -> dict:
     """What this installation was built with (package version, the ABI and the torch versions it is
     for, CUDA archs) and what its kernels use here (``cuda_kernels``: compiled in and loaded, torch
-    being a CUDA build of the same or a later CUDA major version, else ``cuda_kernels_off_because``; ``cpu_bf16_dot``: AVX512-BF16 in bf16 ``packed_linear`` and
-    ``cached_attention``; ``cpu_amx``: AMX tiles in bf16 ``packed_linear``; ``cpu_avx512``: AVX-512 in
-    fp32 ``cached_attention``)."""
+    being a CUDA build of the same or a later CUDA major version, else ``cuda_kernels_off_because``;
+    ``cpu_bf16_dot``: AVX512-BF16 in bf16 ``packed_linear`` and ``cached_attention``; ``cpu_amx``: AMX
+    tiles in bf16 ``packed_linear``; ``cpu_avx512``: AVX-512 in fp32 ``cached_attention``)."""
     return {
         "version": _C.version,
         "torch_version": torch.__version__,
