@@ -49,6 +49,7 @@ from qspec_ext.text import chat_ids, load_tokenizer, stop_ids
 REPO = Path(__file__).resolve().parents[1]
 SAMPLING = dict(temperature=0.6, top_p=0.95, top_k=20)
 PASSAGE_TOKENS = 160  # a passage to summarize: at most this long
+LONG_PROMPT = 512  # prompts past this many tokens go in smaller batches
 
 TOPICS = """the water cycle; volcanoes; earthquakes; the solar system; the moon; black holes; comets;
 the northern lights; rainbows; thunderstorms; hurricanes; glaciers; deserts; rainforests; coral reefs;
@@ -300,26 +301,97 @@ def kept(prompts, heldout: HeldoutFilter, seen: set) -> list[str]:
 
 
 def answer(target, directory, answers: Answers, rows: list[dict], batch: int, max_new_tokens: int, seed: int,
-           deadline: float | None, label: str) -> bool:
+           deadline: float | None, label: str, repetition_penalty: float = 1.0) -> bool:
     """Answers the rows not yet answered, ``batch`` at a time (similar lengths together), sampled
     where the row says so (else: an odd id sampled, an even one greedy, the rule of the rows written
-    before the field). False when the deadline came first."""
+    before the field). A row's conversation is its ``messages`` where it has them, else one user
+    turn holding its ``prompt``. False when the deadline came first."""
     stops = stop_ids(directory)
     todo = [r for r in rows if r["id"] not in answers.done]
     for sampled in (False, True):
         mine = [r for r in todo if r.get("sampled", r["id"] % 2 == 1) == sampled]
-        mine.sort(key=lambda r: (len(r["prompt"]), r["id"]))
-        for i in range(0, len(mine), batch):
+        mine.sort(key=lambda r: (len(json.dumps(r.get("messages", r.get("prompt")))), r["id"]))
+        conversations = [chat_ids(directory, r.get("messages") or [{"role": "user", "content": r["prompt"]}])
+                         for r in mine]
+        i = 0
+        while i < len(mine):
             if deadline is not None and time.time() > deadline:
                 return False
-            chunk = mine[i : i + batch]
-            ids = [chat_ids(directory, [{"role": "user", "content": r["prompt"]}]) for r in chunk]
+            # At most `batch` rows, and fewer where prompts are long: the prefill's attention scores
+            # grow with rows x length^2.
+            longest = max(map(len, conversations[i : i + batch]))
+            size = min(batch, max(1, batch * LONG_PROMPT**2 // longest**2))
+            chunk, ids = mine[i : i + size], conversations[i : i + size]
+            i += size
             result = generate_plain(target, ids, max_new_tokens, eos_token_id=stops, seed=seed + chunk[0]["id"],
-                                    **(SAMPLING if sampled else {}))
+                                    repetition_penalty=repetition_penalty, **(SAMPLING if sampled else {}))
             answers.add([(r["id"], len(p), sampled, p + a) for r, p, a in zip(chunk, ids, result.tokens)])
             print(f"{label}: {len(answers.done)} records, {sum(len(r[3]) - r[1] for r in answers.records)} answer "
                   f"tokens ({result.stats.tokens_per_second:.0f} tokens/s)", file=sys.stderr, flush=True)
     return True
+
+FOLLOW_UPS = ["Can you give me an example?", "Can you explain that more simply?", "Thanks! Can you make it shorter?",
+              "What else should I know about this?", "Can you put that in a list?", "Why is that?",
+              "Could you go into more detail on the first point?", "Is there another way to do it?",
+              "Can you summarize your answer in one sentence?", "What would you recommend for a beginner?"]
+LONG_ASKS = ["Summarize the following documentation.", "Summarize this text in a few sentences:",
+             "What does this text describe? Give a short summary.", "Write a brief summary of the text below.",
+             "Explain the main points of this documentation in plain words:", "Give me the key points of this text:"]
+PENALTY = 1.1  # what `qspec demo` and `qspec chat` decode with
+
+
+def long_texts(limit_words: int = 600) -> list[str]:
+    """Prose the target did not write: the standard library's module docstrings of 120 words and more
+    (cut at a paragraph end near ``limit_words``), without code examples."""
+    found = []
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+        if "test" in path.parts or path.name.startswith("test"):
+            continue
+        try:
+            doc = ast.get_docstring(ast.parse(path.read_text(errors="replace"))) or ""
+        except (SyntaxError, ValueError):
+            continue
+        paragraphs = [" ".join(x.split()) for x in doc.split("\n\n") if x.strip() and ">>>" not in x]
+        text, count = [], 0
+        for paragraph in paragraphs:
+            if count + WORDS(paragraph) > limit_words:
+                break
+            text.append(paragraph)
+            count += WORDS(paragraph)
+        if count >= 120:
+            found.append("\n\n".join(text))
+    return found
+
+
+def penalized_rows(out: Path, tokenizer, rng: random.Random, heldout: HeldoutFilter) -> list[dict]:
+    """The third data set's prompts (answered with repetition penalty 1.1, half greedy, half at the
+    card's sampling), interleaved so a partial set stays balanced: the second set's prompts again
+    (the other mode than their first answer), follow-up turns of its chat answers (the chat
+    template's history), and summaries of long prose the target did not write."""
+    base = [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()]
+    first = Answers(out / "answers.npz")
+    single = [dict(category=r["category"], prompt=r["prompt"], sampled=not r.get("sampled", r["id"] % 2 == 1))
+              for r in base if r["category"] != "passage"]
+    rng.shuffle(single)
+    follow = []
+    for r in (r for r in base if r["category"] == "chat" and r["id"] in first.done):
+        reply = first.answer_text(tokenizer, r["id"]).strip()
+        if reply:
+            ask = rng.choice(FOLLOW_UPS)
+            follow.append(dict(category="chat-multiturn", prompt=ask, sampled=rng.random() < 0.5,
+                               messages=[{"role": "user", "content": r["prompt"]},
+                                         {"role": "assistant", "content": reply}, {"role": "user", "content": ask}]))
+    rng.shuffle(follow)
+    texts = [t for t in long_texts() if not heldout.overlaps(t)]
+    rng.shuffle(texts)
+    summaries = [dict(category="summarization-long", prompt=f"{rng.choice(LONG_ASKS)}\n\n{t}", sampled=i % 2 == 1)
+                 for i, t in enumerate(texts)]
+    rows, pools = [], [single, follow, summaries]
+    for i in range(max(map(len, pools))):
+        for pool in pools:
+            if i < len(pool) and not heldout.overlaps(pool[i]["prompt"]):
+                rows.append(dict(id=len(rows), **pool[i]))
+    return rows
 
 
 def main():
@@ -332,13 +404,18 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--limit-seconds", type=float, default=None, help="stop (resumable) after this long")
     parser.add_argument("--heldout", action="store_true", help="the held-out prompts' answers, for evaluation")
+    parser.add_argument("--penalized", action="store_true",
+                        help="the third set: answers at repetition penalty 1.1 (prompts-penalty.jsonl, answers-penalty.npz)")
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="the target's dtype while answering")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     deadline = None if args.limit_seconds is None else time.time() + args.limit_seconds
     directory = target_dir("smollm2")
     tokenizer = load_tokenizer(directory)
-    target = load_target("smollm2", dtype=torch.float32)
+    target = load_target("smollm2", dtype=torch.float32 if args.dtype == "fp32" else torch.bfloat16)
+    if args.penalized:
+        return answer_penalized(args, out, target, directory, tokenizer, deadline)
     if args.heldout:
         rows = [{"id": 2 * i + sampled, "prompt": r["prompt"]} for i, r in enumerate(heldout_prompts()) for sampled in (0, 1)]
         answer(target, directory, Answers(out / "heldout_answers.npz"), rows, args.batch, 128, args.seed, None, "heldout")
@@ -377,6 +454,22 @@ def main():
     for i in range(0, len(rest), step):
         if not answer(target, directory, answers, rest[i : i + step], args.batch, args.max_new_tokens, args.seed,
                       deadline, "answers"):
+            return print("time limit reached: rerun to resume", file=sys.stderr)
+    print(f"done: {len(answers.records)} records", file=sys.stderr)
+
+
+def answer_penalized(args, out: Path, target, directory, tokenizer, deadline: float | None) -> None:
+    prompts_path = out / "prompts-penalty.jsonl"
+    if prompts_path.is_file():
+        rows = [json.loads(line) for line in prompts_path.read_text().splitlines()]
+    else:
+        rows = penalized_rows(out, tokenizer, random.Random(args.seed + 1), HeldoutFilter())
+        prompts_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    answers = Answers(out / "answers-penalty.npz")
+    step = 4 * args.batch
+    for i in range(0, len(rows), step):
+        if not answer(target, directory, answers, rows[i : i + step], args.batch, args.max_new_tokens, args.seed,
+                      deadline, "penalized", repetition_penalty=PENALTY):
             return print("time limit reached: rerun to resume", file=sys.stderr)
     print(f"done: {len(answers.records)} records", file=sys.stderr)
 

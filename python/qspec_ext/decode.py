@@ -23,6 +23,7 @@ from .arguments import check_float, check_int, check_pair, check_prompts, check_
 from .compiled import bucketed, check_compilable, compiled_method, compiled_step, compiling
 from .drafting import Drafting, make_drafting
 from .drafting.tree import TreeDrafting
+from .adaptive import DraftLengthPolicy, candidate_lengths
 from .models.eagle3 import DraftState
 from .sampling import apply_repetition_penalty, apply_top_k_top_p
 
@@ -38,6 +39,7 @@ class SpecDecodeStats:
     wall_time: float = 0.0
     first_token_time: float = 0.0  # of wall_time: until every request's first token (the target's prefill)
     compile_time: float = 0.0  # in_batches(warmup=True): the warm-up run's extra wall time
+    draft_lengths: dict[int, int] = field(default_factory=dict)  # drafts per step -> steps (0: plain steps)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -68,7 +70,7 @@ class SpecDecodeStats:
             num_generated_tokens=self.num_generated_tokens, num_requests=self.num_requests,
             wall_time=self.wall_time, first_token_time=self.first_token_time,
             tokens_per_second=self.tokens_per_second, decode_tokens_per_second=self.decode_tokens_per_second,
-            compile_time=self.compile_time,
+            compile_time=self.compile_time, draft_lengths=dict(sorted(self.draft_lengths.items())),
         )
 
 
@@ -308,6 +310,7 @@ def _decode(target, steps, prompts: list[list[int]], max_new_tokens: int, sampli
             live = [live[i] for i in rows]
         active = ~torch.tensor([done[r] for r in live], device=device)
         out, accepted, last, position = steps.step(last, position, active, sampler)
+        stats.draft_lengths[steps.num_draft_tokens] = stats.draft_lengths.get(steps.num_draft_tokens, 0) + 1
         # The one sync per step (stopping needs it): tokens, accepted counts and stop columns.
         if accepted is None:  # plain decoding: one token, nothing drafted
             out_host, stop = _read_tokens(out, stops)
@@ -369,11 +372,16 @@ class SpeculativeDecoder:
     place of the one ``num_speculative_tokens`` / ``topk`` / ``num_draft_tokens`` choose, built
     with ``check_bounds=False`` (the decoder sizes the cache once per call).
     ``compile``: each decode step runs as one static-shape graph (compiled.py), the prompt
-    prefill eagerly, packed; the models themselves stay eager for other callers."""
+    prefill eagerly, packed; the models themselves stay eager for other callers.
+    ``adaptive``: each step drafts 0 to ``num_speculative_tokens`` tokens (of
+    :func:`~qspec_ext.adaptive.candidate_lengths`), the length with the most expected tokens per
+    second by the running acceptance and the step times measured on this machine (adaptive.py;
+    0: a plain step); chain or P-EAGLE drafting, the drafter's kind. The decoder keeps what it
+    measured across generate calls."""
 
     def __init__(self, target, drafter, num_speculative_tokens: int = 3, max_length: int | None = None,
                  topk: int = 1, num_draft_tokens: int | None = None, compile: bool = False,
-                 drafting: Drafting | None = None):
+                 drafting: Drafting | None = None, adaptive: bool = False):
         check_int("SpeculativeDecoder", "num_speculative_tokens", num_speculative_tokens, 1, 32)
         if max_length is not None:
             check_int("SpeculativeDecoder", "max_length", max_length, 2)
@@ -382,6 +390,14 @@ class SpeculativeDecoder:
         # The cache is sized for every step once per generate call: no per-step bounds checks.
         self.drafting = drafting or make_drafting(target, drafter, num_speculative_tokens, topk, num_draft_tokens,
                                                   check_bounds=False)
+        self.policy = None
+        if adaptive:
+            if topk != 1 or drafting is not None:
+                raise ValueError("SpeculativeDecoder: adaptive=True chooses among chain (or P-EAGLE) draft lengths; "
+                                 f"it takes no tree (topk={topk}) and no drafting of your own")
+            self.draftings = {k: make_drafting(target, drafter, k, check_bounds=False)
+                              for k in candidate_lengths(num_speculative_tokens) if k > 0}
+            self.policy = DraftLengthPolicy(candidate_lengths(num_speculative_tokens))
         self.max_length = max_length or target.config.max_position_embeddings
         self.compiled = compile
         self.step = self._step
@@ -410,16 +426,17 @@ class SpeculativeDecoder:
         cache_length = max(needed, min(bucketed(needed, self.compiled), self.max_length))
         sampling = _Sampling(temperature, top_k, top_p, seed, repetition_penalty)
         with compiling(self.compiled):
-            return _decode(self.target, _SpeculativeSteps(self, seed if temperature > 0 else None), prompts,
-                           max_new_tokens, sampling, stop_ids, cache_length, self.compiled, on_tokens)
+            steps = (_AdaptiveSteps if self.policy else _SpeculativeSteps)(self, seed if temperature > 0 else None)
+            return _decode(self.target, steps, prompts, max_new_tokens, sampling, stop_ids, cache_length,
+                           self.compiled, on_tokens)
 
-    def _step(self, last: torch.Tensor, position: torch.Tensor, active: torch.Tensor, seeds: torch.Tensor | None,
-              sampler: "_Sampler", state: DraftState) -> tuple[torch.Tensor, ...]:
-        """One step on the device, no host synchronization (compile=True: one graph): draft from
-        the drafter's ``state``, verify in one target forward, commit the accepted path, prefill the
-        drafter with it. Returns (out_ids, num_accepted, the new last token, its position, the
-        drafter's next state)."""
-        target, drafter, drafting = self.target, self.drafter, self.drafting
+    def _step(self, drafting: Drafting, last: torch.Tensor, position: torch.Tensor, active: torch.Tensor,
+              seeds: torch.Tensor | None, sampler: "_Sampler", state: DraftState) -> tuple[torch.Tensor, ...]:
+        """One step on the device, no host synchronization (compile=True: one graph per
+        ``drafting``): draft from the drafter's ``state``, verify in one target forward, commit the
+        accepted path, prefill the drafter with it. Returns (out_ids, num_accepted, the new last
+        token, its position, the drafter's next state)."""
+        target, drafter = self.target, self.drafter
         root = torch.where(active, position, -1)
         if sampler.seen is None:
             proposal = drafting.propose(root, state)
@@ -483,6 +500,60 @@ class _SpeculativeSteps:
         self.seeds = None if self.seeds is None else self.seeds[index]
 
     def step(self, last, position, active, sampler) -> tuple[torch.Tensor, ...]:
-        out, accepted, last, position, self.state = self.decoder.step(last, position, active, self.seeds, sampler,
-                                                                      self.state)
+        out, accepted, last, position, self.state = self.decoder.step(self.decoder.drafting, last, position, active,
+                                                                      self.seeds, sampler, self.state)
         return out, accepted, last, position
+
+
+class _AdaptiveSteps(_SpeculativeSteps):
+    """The steps of an adaptive decoder: each step's draft length from the decoder's
+    :class:`~qspec_ext.adaptive.DraftLengthPolicy`, which learns from each step's wall time (from
+    its start to the next step's) and accepted counts. A step of 0 drafts is a plain step: one
+    target forward and a pick; its (feature, token) pair waits, and the next drafting step first
+    prefills the drafter with the pairs that waited (a plain step costs what plain decoding's does)."""
+
+    def __init__(self, decoder: SpeculativeDecoder, seed: int | None):
+        super().__init__(decoder, seed)
+        self.num_draft_tokens = 0
+        self.forward = compiled_method(decoder.target, "forward") if decoder.compiled else decoder.target
+        self.waiting: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (fc input, token, position)
+        self.last_step: tuple | None = None  # (rows, k, start time, accepted counts)
+
+    def keep_requests(self, rows: list[int], lengths: list[int], index: torch.Tensor) -> None:
+        super().keep_requests(rows, lengths, index)
+        self.waiting = [tuple(t[index] for t in pair) for pair in self.waiting]
+
+    def step(self, last, position, active, sampler) -> tuple[torch.Tensor, ...]:
+        policy, start = self.decoder.policy, time.perf_counter()
+        if self.last_step is not None:
+            rows, k, began, accepted = self.last_step
+            policy.record(rows, k, start - began, accepted)
+        rows = last.shape[0]
+        k = self.num_draft_tokens = policy.choose(rows)
+        if k == 0:
+            out, accepted, last, position = self._plain_step(last, position, active, sampler)
+        else:
+            if self.waiting:
+                self._prefill_waiting()
+            out, accepted, last, position, self.state = self.decoder.step(
+                self.decoder.draftings[k], last, position, active, self.seeds, sampler, self.state)
+        self.last_step = (rows, k, start, accepted[active].tolist())
+        return out, accepted, last, position
+
+    def _plain_step(self, last, position, active, sampler) -> tuple[torch.Tensor, ...]:
+        target, drafter = self.decoder.target, self.decoder.drafter
+        pair_position = torch.where(active, position, -1)
+        logits = self.forward(last[:, None], pair_position[:, None])[:, 0]
+        token = sampler.pick(logits)
+        sampler.observe(token[:, None])
+        rows = torch.where(active, torch.arange(last.shape[0], device=last.device), -1)
+        norm_mode, norm_weight = drafter.fc_norm_mode()
+        fc_input = target.capture.gather(rows, norm_mode, norm_weight, drafter.config.rms_norm_eps)
+        self.waiting.append((fc_input[:, None], token[:, None], pair_position[:, None]))
+        return token[:, None], torch.zeros_like(position), token, position + 1
+
+    def _prefill_waiting(self) -> None:
+        fc_input, tokens, positions = (torch.cat(parts, dim=1) for parts in zip(*self.waiting))
+        self.waiting = []
+        _, self.state = self.decoder.drafter.prefill(fc_input, tokens, positions, normalized=True, last_only=True,
+                                                     check_bounds=False)
