@@ -265,9 +265,10 @@ class Answers:
         self.path = path
         self.records: list[tuple[int, int, bool, np.ndarray]] = []
         if path.is_file():
-            z = np.load(path)
+            z = dict(np.load(path))  # each field decompressed once
+            ids, starts = z["ids"], z["starts"]
             for i, (pid, plen, sampled) in enumerate(zip(z["prompt_id"], z["prompt_length"], z["sampled"])):
-                self.records.append((int(pid), int(plen), bool(sampled), z["ids"][z["starts"][i] : z["starts"][i + 1]]))
+                self.records.append((int(pid), int(plen), bool(sampled), ids[starts[i] : starts[i + 1]]))
         self.done = {r[0] for r in self.records}
 
     def add(self, rows: list[tuple[int, int, bool, list[int]]]) -> None:

@@ -198,9 +198,12 @@ def test_stats_of_chunked_batches_add_up(hf_dir):
     plain = generate_plain(target, PROMPTS, 20 + k)
     continuation = {tuple(p): t for p, t in zip(PROMPTS, plain.tokens)}
 
+    chunks = []
+
     def generate(chunk, **kwargs):  # an oracle for the chunk's own requests
         oracle = OracleDrafter(make_drafter(), [continuation[tuple(p)] for p in chunk], [len(p) for p in chunk])
-        return oracle_decoder(target, oracle, k).generate(chunk, **kwargs)
+        chunks.append(oracle_decoder(target, oracle, k).generate(chunk, **kwargs))
+        return chunks[-1]
 
     whole = in_batches(generate, PROMPTS, 2, max_new_tokens=20)
     assert whole.tokens == [t[:20] for t in plain.tokens]
@@ -208,6 +211,7 @@ def test_stats_of_chunked_batches_add_up(hf_dir):
     assert s.num_accepted_tokens == s.num_draft_tokens == k * s.num_drafts and s.num_drafts >= len(PROMPTS) * 5
     assert s.accepted_per_position == [s.num_drafts] * k and s.num_generated_tokens == 20 * len(PROMPTS)
     assert s.num_requests == len(PROMPTS) and 0 < s.first_token_time < s.wall_time
+    assert s.draft_lengths == {k: sum(r.stats.draft_lengths[k] for r in chunks)} and len(chunks) == 3
 
 
 def test_first_token_time_is_the_target_prefill_only(hf_dir, monkeypatch):

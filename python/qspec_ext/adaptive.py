@@ -38,8 +38,8 @@ class DraftLengthPolicy:
     """Chooses each step's draft length and learns from what the step gave.
 
     ``lengths``: the candidates (0 first). Acceptance: per draft position, decayed counts of drafts
-    that reached the position and were accepted there, starting from ``prior`` (one pseudo-draft);
-    positions not yet tried take the estimate of the one before. Costs: the median of the last
+    that reached the position and were accepted there; a position with less than one draft counted
+    takes the estimate of the one before (the first: ``prior``). Costs: the median of the last
     ``window`` step times per (batch bucket, k); each k is timed ``samples`` times at a bucket
     before the first choice there. While k = 0 wins, every ``probe_every``-th step drafts the best
     k > 0 anyway, so that the acceptance estimate can recover when the text gets easier."""
@@ -49,15 +49,15 @@ class DraftLengthPolicy:
         if lengths[0] != 0:
             lengths = (0, *lengths)
         self.lengths, self.decay, self.samples, self.probe_every = lengths, decay, samples, probe_every
-        self.window = window
-        self.reached = [1.0] * max(lengths)
-        self.accepted = [prior] * max(lengths)
+        self.window, self.prior = window, prior
+        self.reached = [0.0] * max(lengths)
+        self.accepted = [0.0] * max(lengths)
         self.times: dict[tuple[int, int], deque] = {}
         self.plain_streak = 0
 
     def acceptance(self) -> list[float]:
         """The conditional acceptance a_j per draft position (j = 1..max length)."""
-        out, previous = [], 1.0
+        out, previous = [], self.prior
         for reached, accepted in zip(self.reached, self.accepted):
             previous = accepted / reached if reached >= 1.0 else previous
             out.append(min(max(previous, 0.0), 1.0))

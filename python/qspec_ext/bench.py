@@ -39,6 +39,8 @@ def in_batches(generate: Generate, prompts: list[list[int]], batch_size: int, wa
         total.first_token_time += s.first_token_time
         per = total.accepted_per_position or [0] * len(s.accepted_per_position)
         total.accepted_per_position = [a + b for a, b in zip(per, s.accepted_per_position)]
+        for k, steps in s.draft_lengths.items():
+            total.draft_lengths[k] = total.draft_lengths.get(k, 0) + steps
     return GenerateResult(tokens, total)
 
 

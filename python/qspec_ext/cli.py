@@ -101,6 +101,8 @@ def stats_table(stats) -> str:
         f"Drafts: {stats.num_drafts}, draft tokens: {stats.num_draft_tokens}, accepted: {stats.num_accepted_tokens}",
     ]
     lines += [f"Acceptance at token {i}: {rate:.2f}" for i, rate in enumerate(stats.acceptance_rate_per_position)]
+    if len(stats.draft_lengths) > 1:  # adaptive: the draft length each step chose
+        lines.append("Steps by draft length: " + ", ".join(f"{k}: {n}" for k, n in sorted(stats.draft_lengths.items())))
     lines.append(f"Generated {stats.num_generated_tokens} tokens in {stats.wall_time:.2f} s "
                  f"({stats.tokens_per_second:.1f} tokens/s; after the first tokens at {stats.first_token_time:.2f} s: "
                  f"{stats.decode_tokens_per_second:.1f} tokens/s)")
@@ -173,6 +175,29 @@ class TextStream:
         self.printed = text
 
 
+AUTO_MAX_DRAFTS = 5  # -k auto: adaptive draft lengths 0..5
+
+
+def draft_length(text: str) -> int | str:
+    """-k: a number of draft tokens, or ``auto`` (adaptive, 0..AUTO_MAX_DRAFTS per step)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of draft tokens or 'auto', got {text!r}") from None
+
+
+def make_decoder(args, target, drafter, k: int | str | None = None) -> SpeculativeDecoder:
+    k = args.k if k is None else k
+    if k == "auto":
+        if args.topk > 1:
+            raise ValueError(f"-k auto chooses chain (or P-EAGLE) draft lengths; it takes no --topk {args.topk}")
+        return SpeculativeDecoder(target, drafter, AUTO_MAX_DRAFTS, compile=args.compile, adaptive=True)
+    return SpeculativeDecoder(target, drafter, k, topk=args.topk, num_draft_tokens=args.num_draft_tokens,
+                              compile=args.compile)
+
+
 def cmd_generate(args) -> int:
     resolve_models(args)
     tokenizer = load_tokenizer(args.target)
@@ -182,8 +207,7 @@ def cmd_generate(args) -> int:
                          + (" and --json" if args.json else ""))
     prompts, eos = encode_prompts(args, tokenizer, texts)
     target, drafter = load_pair(args.target, args.draft, args.device, args.dtype, args.backend)
-    decoder = SpeculativeDecoder(target, drafter, args.k, topk=args.topk, num_draft_tokens=args.num_draft_tokens,
-                                 compile=args.compile)
+    decoder = make_decoder(args, target, drafter)
     if args.stream:
         stream = TextStream(tokenizer)
         result = decoder.generate(prompts, args.max_new_tokens, eos_token_id=eos, on_tokens=stream,
@@ -196,7 +220,7 @@ def cmd_generate(args) -> int:
     outputs = [tokenizer.decode(ids) for ids in result.tokens]
     if args.json:
         print(json.dumps({"outputs": [dict(prompt=p, text=o, token_ids=ids) for p, o, ids in
-                                      zip(texts, outputs, result.tokens)], "k": args.k,
+                                      zip(texts, outputs, result.tokens)], "k": args.k, "adaptive": bool(decoder.policy),
                           "drafting": decoder.drafting.kind, "topk": decoder.drafting.topk,
                           "num_draft_tokens": decoder.drafting.num_draft_tokens, "stats": result.stats.as_dict()},
                          indent=1))
@@ -218,8 +242,7 @@ def cmd_chat(args) -> int:
     messages = [{"role": "system", "content": args.system}] if args.system else []
     chat_ids(args.target, messages + [{"role": "user", "content": "x"}])  # no template: an error before loading
     target, drafter = load_pair(args.target, args.draft, args.device, args.dtype, args.backend)
-    decoder = SpeculativeDecoder(target, drafter, args.k, topk=args.topk, num_draft_tokens=args.num_draft_tokens,
-                                 compile=args.compile)
+    decoder = make_decoder(args, target, drafter)
     print(f"qspec chat: {args.target} with {args.draft}, k = {args.k}. /exit or Ctrl-D leaves; Ctrl-C stops an "
           f"answer.", file=sys.stderr)
     while True:
@@ -257,10 +280,11 @@ def cmd_bench(args) -> int:
     prompts, eos = encode_prompts(args, load_tokenizer(args.target), read_prompts(args))
     target, drafter = load_pair(args.target, args.draft, args.device, args.dtype, args.backend)
     # Chains (or parallel drafts) at every k; with --topk > 1 also a tree of each depth k.
-    decoders = [SpeculativeDecoder(target, drafter, k, compile=args.compile) for k in args.k]
+    decoders = [SpeculativeDecoder(target, drafter, AUTO_MAX_DRAFTS, compile=args.compile, adaptive=True) if k == "auto"
+                else SpeculativeDecoder(target, drafter, k, compile=args.compile) for k in args.k]
     if args.topk > 1:
         decoders += [SpeculativeDecoder(target, drafter, k, topk=args.topk, num_draft_tokens=args.num_draft_tokens,
-                                        compile=args.compile) for k in args.k]
+                                        compile=args.compile) for k in args.k if k != "auto"]
     # Compiled: each configuration is timed after an untimed run that builds its graphs. With
     # --repeat, interleaved rounds over all configurations (qspec_ext.bench).
     common = dict(max_new_tokens=args.max_new_tokens, eos_token_id=eos, **sampling_args(args))
@@ -274,7 +298,8 @@ def cmd_bench(args) -> int:
     for i, decoder in enumerate(decoders):
         spec = timed.results[i]
         s = spec[0].stats
-        rows.append(dict(k=decoder.k, drafting=decoder.drafting.kind, topk=decoder.drafting.topk,
+        rows.append(dict(k="auto" if decoder.policy else decoder.k, draft_lengths=s.draft_lengths,
+                         drafting=decoder.drafting.kind, topk=decoder.drafting.topk,
                          num_draft_tokens=decoder.drafting.num_draft_tokens,
                          mean_acceptance_length=s.mean_acceptance_length,
                          acceptance_per_position=s.acceptance_rate_per_position,
@@ -369,12 +394,14 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="generate text with speculative decoding")
     add_model_args(gen)
-    gen.add_argument("-k", type=int, default=3, help="draft tokens per step")
+    gen.add_argument("-k", type=draft_length, default=3,
+                     help=f"draft tokens per step, or auto (each step chooses 0..{AUTO_MAX_DRAFTS})")
     gen.add_argument("--stream", action="store_true", help="print the text as each step accepts it (one prompt)")
     gen.set_defaults(run=cmd_generate)
     chat = commands.add_parser("chat", help="an interactive conversation in the target's chat template, streamed")
     add_model_args(chat, prompts=False)
-    chat.add_argument("-k", type=int, default=3, help="draft tokens per step")
+    chat.add_argument("-k", type=draft_length, default=3,
+                      help=f"draft tokens per step, or auto (each step chooses 0..{AUTO_MAX_DRAFTS})")
     chat.add_argument("--system", help="a system message to start the conversation with")
     chat.description = (f"Without --repetition-penalty, chat uses {DEMO_PENALTY} (a small model loops without one); "
                         f"1 with --compile or trees (--topk > 1), which run without one.")
@@ -382,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     chat.set_defaults(run=cmd_chat, chat=True, max_new_tokens=512, repetition_penalty=None)
     bench = commands.add_parser("bench", help="speculative vs plain decoding on the same prompts")
     add_model_args(bench)
-    bench.add_argument("-k", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7], help="draft lengths to try")
+    bench.add_argument("-k", type=draft_length, nargs="+", default=[1, 2, 3, 4, 5, 6, 7, "auto"],
+                       help="draft lengths to try (auto: adaptive, 0..5 per step)")
     bench.add_argument("--plot", metavar="PATH", help="write a PNG of acceptance length by k")
     bench.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (default 1: single stream)")
     bench.add_argument("--repeat", type=int, default=1,

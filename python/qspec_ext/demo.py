@@ -126,6 +126,8 @@ def run_demo(pair: str = "smollm2", quick: bool = False, device: str = "cpu", ma
     configs = {("plain", 0): partial(generate_plain, target, compile=compile)}
     configs |= {(kind, k): SpeculativeDecoder(target, drafter, k, compile=compile).generate
                 for kind, drafter in drafters.items() for k in ks}
+    # Adaptive: each step's draft length (0..5) chosen by expected tokens per second.
+    configs[("chain", "auto")] = SpeculativeDecoder(target, chain, 5, compile=compile, adaptive=True).generate
     rounds = rounds or (1 if quick else 3)
     # One request at a time: the single-stream latency speculative decoding is for.
     if repetition_penalty is None:
@@ -159,10 +161,14 @@ def run_demo(pair: str = "smollm2", quick: bool = False, device: str = "cpu", ma
         cells = "".join(f"  {runs[kind, k].stats.mean_acceptance_length:>20.2f}  {speed[kind, k]:>8.1f}  "
                         f"{speedup[kind, k]:>7.2f}x" for kind in drafters)
         print(f"{k:>2}{cells}")
+    auto = runs["chain", "auto"].stats
+    chosen = ", ".join(f"{k}: {n}" for k, n in sorted(auto.draft_lengths.items()))
+    print(f"chain, adaptive k (0..5 per step): accept len {auto.mean_acceptance_length:.2f}, "
+          f"{speed['chain', 'auto']:.1f} tokens/s, {speedup['chain', 'auto']:.2f}x plain; steps by draft length: {chosen}")
     best_name = max(runs, key=lambda name: speedup[name])
     print(f"best: {best_name[0]} drafting at k = {best_name[1]}, {speedup[best_name]:.2f}x plain decoding")
     for kind in drafters:
-        best = max(ks, key=lambda k: speedup[kind, k])
+        best = max(ks, key=lambda k: speedup[kind, k])  # the fixed lengths
         per = " ".join(f"{a:.2f}" for a in runs[kind, best].stats.acceptance_rate_per_position)
         print(f"{kind} drafting, best k = {best}: acceptance at draft position 1..{best}: {per}")
     return 0 if identical else 1
