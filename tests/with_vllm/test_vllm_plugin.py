@@ -67,6 +67,20 @@ print("SEAMS", plugin.installed_seams())
     assert "Traceback" not in done.stderr
 
 
+def test_register_says_cuda_tensors_keep_vllms_kernels():
+    script = """
+from importlib.metadata import entry_points
+(entry,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "qspec_ext"]
+entry.load()()
+from qspec_ext.integrations import vllm as plugin
+print("SEAMS", plugin.installed_seams(), "CUDA", sorted(plugin._state["cuda"]))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "CUDA []" in done.stdout and "SEAMS ('rms_norm'" in done.stdout
+    assert "qspec_ext: CUDA tensors use vLLM's own kernels; QSPEC_VLLM_CUDA=1" in done.stderr, done.stderr[-3000:]
+
+
 # ---- the sampler, called directly -----------------------------------------------------------------
 def sampler_inputs(num_draft, drafts, logits, temperature, top_k=None):
     from vllm.v1.sample.logits_processor import LogitsProcessors

@@ -18,6 +18,10 @@ list of seam names, or ``all``). The seams:
   masks, active logits processors (min-p, logit bias, min tokens), per-request seeds, draft
   probabilities, synthetic acceptance.
 
+CUDA tensors: no seam takes them unless ``QSPEC_VLLM_CUDA`` says so (``1`` or ``all``: every
+installed seam; or a comma list of seam names): the CUDA kernels have not been measured inside
+vLLM on a GPU, so by default a GPU server keeps vLLM's own kernels and says so at start.
+
 Where a seam's call does not fit (dtype, layout, device, scaling), vLLM's own code runs. ``CALLS``
 counts, per process, the calls each seam took (and the sampler's deferrals); the first call of
 each seam in a process is logged ("qspec_ext: seam rope ran"), so a server's log shows which ran.
@@ -36,6 +40,7 @@ if EXTENSION_PROBLEM is None:  # else register() only logs why and leaves vLLM s
 
 SEAMS = ("rms_norm", "rope", "qk_norm_rope", "aux_gather", "rejection_sampler")
 DISABLE_ENV = "QSPEC_VLLM_DISABLE"
+CUDA_ENV = "QSPEC_VLLM_CUDA"
 TESTED_VLLM = ((0, 32), (0, 33))  # [first, last) minor versions the seams were written against
 PROVIDER = "qspec_ext"
 CALLS: Counter = Counter()
@@ -56,6 +61,21 @@ def enabled_seams() -> tuple[str, ...]:
         raise ValueError(f"{DISABLE_ENV}: unknown seam(s) {sorted(unknown)}; expected 'all' or a comma list of "
                          f"{', '.join(SEAMS)}")
     return () if "all" in names else tuple(s for s in SEAMS if s not in names)
+
+
+def cuda_seams() -> frozenset[str]:
+    """The seams that take CUDA tensors: none unless ``QSPEC_VLLM_CUDA`` names them (``1`` / ``all``:
+    every seam)."""
+    value = os.environ.get(CUDA_ENV, "").strip()
+    if value in ("", "0"):
+        return frozenset()
+    if value in ("1", "all"):
+        return frozenset(SEAMS)
+    names = {n.strip() for n in value.split(",") if n.strip()}
+    if names - set(SEAMS):
+        raise ValueError(f"{CUDA_ENV}: unknown seam(s) {sorted(names - set(SEAMS))}; expected 1, all, or a comma list "
+                         f"of {', '.join(SEAMS)}")
+    return frozenset(names)
 
 
 def incompatibility(vllm_version: str, torch_version: str, torch_target: str) -> str | None:
@@ -98,7 +118,14 @@ def register() -> None:
         except Exception as error:  # one seam that does not fit this vLLM build leaves that part stock
             log.warning("qspec_ext: seam %s left stock: %s: %s", name, type(error).__name__, error)
     _state["seams"] = tuple(seams)
+    _state["cuda"] = cuda_seams() & set(seams) if CUDA_KERNELS else frozenset()
     log.info("qspec_ext: seams on: %s (%s=... turns them off)", ", ".join(seams) or "none", DISABLE_ENV)
+    if not _state["cuda"]:
+        log.info("qspec_ext: CUDA tensors use vLLM's own kernels; %s=1 (or a comma list of seams) puts qspec_ext's "
+                 "CUDA kernels in the seams (not yet measured inside vLLM on a GPU)", CUDA_ENV)
+    else:
+        log.warning("qspec_ext: CUDA tensors use qspec_ext's kernels in: %s (%s)", ", ".join(sorted(_state["cuda"])),
+                    CUDA_ENV)
 
 
 def _took(name: str) -> None:
@@ -111,8 +138,9 @@ def installed_seams() -> tuple[str, ...]:
     return _state["seams"] or ()
 
 
-def _our_device(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" or (t.device.type == "cuda" and CUDA_KERNELS)
+def _our_device(t: torch.Tensor, seam: str) -> bool:
+    """CPU tensors always; CUDA tensors where the user opted this seam in (``QSPEC_VLLM_CUDA``)."""
+    return t.device.type == "cpu" or (t.device.type == "cuda" and seam in _state.get("cuda", ()))
 
 
 def _fits_rows(x: torch.Tensor) -> bool:
@@ -133,7 +161,7 @@ def _install_rms_norm() -> None:
 
     def fits(x, weight, epsilon, variance_size=None) -> bool:
         return (weight is not None and variance_size is None and x.dtype in _DTYPES
-                and weight.dtype in (x.dtype, torch.float32) and weight.is_contiguous() and _our_device(x)
+                and weight.dtype in (x.dtype, torch.float32) and weight.is_contiguous() and _our_device(x, "rms_norm")
                 and _fits_rows(x))
 
     def fits_add(x, x_residual, weight, epsilon, variance_size=None) -> bool:
@@ -182,9 +210,10 @@ def _packed_qkv(query: torch.Tensor, key: torch.Tensor | None, num_heads_kv: int
     return query.as_strided((query.shape[0], width), (width, 1))
 
 
-def _rope_fits(rope, positions: torch.Tensor, qkv: torch.Tensor, num_heads_q: int, num_heads_kv: int) -> bool:
+def _rope_fits(rope, positions: torch.Tensor, qkv: torch.Tensor, num_heads_q: int, num_heads_kv: int,
+               seam: str) -> bool:
     head_dim, rot = rope.head_size, rope.rotary_dim
-    return (qkv.dtype in _DTYPES and _our_device(qkv) and positions.dim() == 1
+    return (qkv.dtype in _DTYPES and _our_device(qkv, seam) and positions.dim() == 1
             and positions.dtype in (torch.int32, torch.int64) and positions.is_contiguous()
             and positions.shape[0] == qkv.shape[0] and head_dim % 2 == 0 and head_dim <= MAX_HEAD_DIM
             and rot % 2 == 0 and 0 < rot <= head_dim and num_heads_kv > 0 and num_heads_q % num_heads_kv == 0)
@@ -202,7 +231,7 @@ def _install_rope() -> None:
             if key is not None and query.dim() == 2 and query.shape[-1] % head_dim == 0 and key.shape[-1] % head_dim == 0:
                 qkv = _packed_qkv(query, key, key.shape[-1] // head_dim, head_dim)
             heads_q, heads_kv = query.shape[-1] // head_dim, (0 if key is None else key.shape[-1] // head_dim)
-            if qkv is None or not _rope_fits(self, positions, qkv, heads_q, heads_kv):
+            if qkv is None or not _rope_fits(self, positions, qkv, heads_q, heads_kv, "rope"):
                 return stock(self, positions, query, key)
             _took("rope")
             ops.qk_norm_rope_(qkv, None, None, self._match_cos_sin_cache_dtype(query), positions, heads_q, heads_kv,
@@ -241,7 +270,7 @@ def _install_qk_norm_rope() -> None:
             return stock(self, positions, hidden_states)
         qkv, _ = self.qkv_proj(hidden_states)
         if not (qkv.dim() == 2 and qkv.is_contiguous() and _rope_fits(rope, positions, qkv, self.num_heads,
-                                                                         self.num_kv_heads)
+                                                                         self.num_kv_heads, "qk_norm_rope")
                 and rope.head_size == self.head_dim
                 and q_norm.weight.dtype in (qkv.dtype, torch.float32) and k_norm.weight.dtype == q_norm.weight.dtype):
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -284,7 +313,7 @@ def _install_aux_gather() -> None:
                 if norm_weight is None or norm_weight.device != hidden_states.device:  # stacked once, after loading
                     norm_weight = model._qspec_fc_norm_weight = torch.stack([n.weight.detach() for n in fc_norm])
             fits = (hidden_states.dim() == 2 and hidden_states.stride(-1) == 1 and hidden_states.dtype in _DTYPES
-                    and _our_device(hidden_states) and 1 <= count <= MAX_AUX_LAYERS
+                    and _our_device(hidden_states, "aux_gather") and 1 <= count <= MAX_AUX_LAYERS
                     and hidden_states.shape[-1] % count == 0
                     and norm_weight.dtype in (hidden_states.dtype, torch.float32)
                     and (mode == "norm_before_fc" or all(n.variance_epsilon == eps for n in fc_norm)))
@@ -344,7 +373,7 @@ def _install_rejection_sampler() -> None:
                 "thinking_budget": holder is not None and holder.has_tracked_requests(),
                 "logits_processors": not all(_inactive(p) for p in sampling.logitsprocs.all),
                 "no_drafts": metadata.max_spec_len == 0, "long_drafts": metadata.max_spec_len > MAX_DRAFT_TOKENS,
-                "device": not _our_device(metadata.draft_token_ids),
+                "device": not _our_device(metadata.draft_token_ids, "rejection_sampler"),
             }
             return next((name for name, applies in reasons.items() if applies), None)
 
