@@ -78,7 +78,8 @@ print("SEAMS", plugin.installed_seams(), "CUDA", sorted(plugin._state["cuda"]))
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "CUDA []" in done.stdout and "SEAMS ('rms_norm'" in done.stdout
-    assert "qspec_ext: CUDA tensors use vLLM's own kernels; QSPEC_VLLM_CUDA=1" in done.stderr, done.stderr[-3000:]
+    log = done.stdout + done.stderr
+    assert "qspec_ext: CUDA tensors use vLLM's own kernels; QSPEC_VLLM_CUDA=1" in log, log[-3000:]
 
 
 # ---- the sampler, called directly -----------------------------------------------------------------
