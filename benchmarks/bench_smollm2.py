@@ -4,7 +4,7 @@
     python benchmarks/bench_smollm2.py acceptance [-k 1 3 5 7] [--per-category 21] [--max-new-tokens 128]
         [--greedy-only] [--drafters DIR ...] [--dtypes bf16]   # the first of --dtypes (default fp32)
     python benchmarks/bench_smollm2.py speed [--batch 1 4] [--prompts 8] [--rounds 3] [-k 3 5]
-        [--drafting chain parallel tree --topk 2] [--dtypes fp32 bf16] [--modes eager compiled]
+        [--drafting chain parallel tree --topk 2] [--adaptive] [--dtypes fp32 bf16] [--modes eager compiled]
     python benchmarks/bench_smollm2.py memory [--dtypes fp32 bf16] [--batch 1 4] [--prompts 8] [-k 3]
     (all: [--drafting chain parallel] [--json PATH])
 
@@ -111,6 +111,11 @@ def speed(args) -> list[dict]:
                 name = f"tree k={k} topk={args.topk}" if drafting == "tree" else f"{drafting} k={k}"
                 configs[f"{name} {dtype} {mode}"] = (dtype, mode == "compiled", lambda p, d=decoder: d.generate(
                     p, args.max_new_tokens, eos_token_id=stops))
+            if args.adaptive and drafting != "tree":
+                for mode in args.modes:  # one decoder per mode: what it measures carries across rounds and batches
+                    decoder = SpeculativeDecoder(target, drafter, 5, compile=mode == "compiled", adaptive=True)
+                    configs[f"{drafting} k=auto {dtype} {mode}"] = (dtype, mode == "compiled", lambda p, d=decoder: (
+                        d.generate(p, args.max_new_tokens, eos_token_id=stops)))
     last = list(configs)[-1]
     rows = []
     print(f"SmolLM2-135M-Instruct, {args.prompts} held-out chat prompts, at most {args.max_new_tokens} new tokens, "
@@ -134,6 +139,9 @@ def speed(args) -> list[dict]:
             print(f"  {name:>26} {row['tokens_per_second']:7.1f} tok/s ({low:.1f}-{high:.1f})"
                   f"  x{row['vs_same_plain']:.2f} same dtype/mode  x{row['vs_fastest_plain']:.2f} fastest plain"
                   f"  {'same tokens' if row['same_tokens_as_plain'] else 'tokens differ from plain'} ({dtype} eager)")
+            if "k=auto" in name:
+                row["draft_lengths"] = timed.results[name][-1].stats.draft_lengths
+                print(f"  {'':>26} steps by draft length (last round): {row['draft_lengths']}")
     return rows
 
 
@@ -212,6 +220,8 @@ def parse_args():
     parser.add_argument("--drafting", nargs="+", choices=["chain", "parallel", "tree"], default=["chain"],
                         help="tree (speed only): EAGLE-2 trees of depth k from the chain drafter, --topk children")
     parser.add_argument("--topk", type=int, default=2, help="tree drafting: children per node")
+    parser.add_argument("--adaptive", action="store_true",
+                        help="speed: also each chain / parallel drafting with adaptive draft lengths (0..5 per step)")
     parser.add_argument("--per-category", type=int, default=21)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])

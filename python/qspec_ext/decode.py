@@ -431,17 +431,17 @@ class SpeculativeDecoder:
                            self.compiled, on_tokens)
 
     def _step(self, drafting: Drafting, last: torch.Tensor, position: torch.Tensor, active: torch.Tensor,
-              seeds: torch.Tensor | None, sampler: "_Sampler", state: DraftState) -> tuple[torch.Tensor, ...]:
+              seeds: torch.Tensor | None, sampler: "_Sampler", state: DraftState,
+              context: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """One step on the device, no host synchronization (compile=True: one graph per
         ``drafting``): draft from the drafter's ``state``, verify in one target forward, commit the
-        accepted path, prefill the drafter with it. Returns (out_ids, num_accepted, the new last
-        token, its position, the drafter's next state)."""
+        accepted path, prefill the drafter with it. ``context``: each request's tokens by position,
+        for a drafting that ``needs_context``. Returns (out_ids, num_accepted, the new last token,
+        its position, the drafter's next state)."""
         target, drafter = self.target, self.drafter
         root = torch.where(active, position, -1)
-        if sampler.seen is None:
-            proposal = drafting.propose(root, state)
-        else:
-            proposal = drafting.propose(root, state, sampler.draft_penalty())
+        penalty = None if sampler.seen is None else sampler.draft_penalty()
+        proposal = drafting.propose(root, state, penalty, context)
         tokens = torch.cat([last[:, None], proposal.draft_ids], dim=1)
         logits = target(tokens, torch.where(active[:, None], position[:, None] + proposal.depths, -1), tree=proposal.tree)
         logits = sampler.penalize(logits, proposal.draft_ids)
@@ -475,9 +475,12 @@ class _SpeculativeSteps:
         self.cache_margin = drafting.cache_margin  # positions past the new tokens that drafts may use
         self.state: DraftState | None = None
         self.seeds: torch.Tensor | None = None
+        self.context: torch.Tensor | None = None  # [B, cache length + 1] tokens by position (needs_context)
 
     def setup(self, batch: int, cache_length: int) -> None:
         self.decoder.drafter.setup(batch, cache_length)
+        if self.decoder.drafting.needs_context:  # the last column takes the writes of tokens not kept
+            self.context = torch.zeros(batch, cache_length + 1, dtype=torch.long, device=self.decoder.drafter.device)
 
     def start(self, tokens, positions, lengths, first) -> None:
         """The drafter reads the pairs (feature of prompt token t, prompt token t+1 or the first
@@ -493,16 +496,24 @@ class _SpeculativeSteps:
                                         normalized=True, last_only=True, check_bounds=False)
         if self.seed is not None:
             self.seeds = torch.tensor([self.seed * 1_000_003 + b for b in range(batch)], device=device)
+        if self.context is not None:
+            self.context[:, : tokens.shape[1]] = torch.where(positions >= 0, tokens, 0)
+            self.context[torch.arange(batch, device=device), lengths] = first
 
     def keep_requests(self, rows: list[int], lengths: list[int], index: torch.Tensor) -> None:
         self.decoder.drafter.keep_requests(rows, lengths)
         self.state = self.state.select(index)
         self.seeds = None if self.seeds is None else self.seeds[index]
+        self.context = None if self.context is None else self.context[index]
 
     def step(self, last, position, active, sampler) -> tuple[torch.Tensor, ...]:
-        out, accepted, last, position, self.state = self.decoder.step(self.decoder.drafting, last, position, active,
-                                                                      self.seeds, sampler, self.state)
-        return out, accepted, last, position
+        out, accepted, new_last, new_position, self.state = self.decoder.step(
+            self.decoder.drafting, last, position, active, self.seeds, sampler, self.state, self.context)
+        if self.context is not None:  # the kept tokens at their positions, the rest to the spare column
+            columns = position[:, None] + 1 + torch.arange(out.shape[1], device=out.device)
+            kept = (torch.arange(out.shape[1], device=out.device) <= accepted[:, None]) & active[:, None]
+            self.context.scatter_(1, torch.where(kept, columns, self.context.shape[1] - 1), out.clamp(min=0))
+        return out, accepted, new_last, new_position
 
 
 class _AdaptiveSteps(_SpeculativeSteps):

@@ -4,7 +4,9 @@ target's logits, and commit what was accepted.
 
 - :class:`ChainDrafting` (chain.py): k sequential EAGLE-3 draft steps, chain verification;
 - :class:`ParallelDrafting` (parallel.py): P-EAGLE, k drafts from one drafter forward;
-- :class:`TreeDrafting` (tree.py): an EAGLE-2 dynamic tree, tree verification.
+- :class:`TreeDrafting` (tree.py): an EAGLE-2 dynamic tree, tree verification;
+- :class:`LookupDrafting` (lookup.py): prompt lookup (n-gram matches in the request's own tokens),
+  the EAGLE-3 chain where nothing matches; chain verification.
 
 The drafter (models/eagle3.py) is the network: its forward, and its prefill, which returns the
 :class:`~qspec_ext.models.eagle3.DraftState` these strategies draft from.
@@ -17,21 +19,24 @@ import torch
 from ..arguments import check_int
 from ..models.eagle3 import DraftState
 from .chain import ChainDrafting, Penalty, Proposal, chain_logits
+from .lookup import LookupDrafting, lookup_drafts
 from .parallel import ParallelDrafting, parallel_logits
 from .tree import TreeDrafting, tree_draft
 
-__all__ = ["ChainDrafting", "Drafting", "ParallelDrafting", "Proposal", "TreeDrafting", "chain_logits",
-           "make_drafting", "parallel_logits", "tree_draft"]
+__all__ = ["ChainDrafting", "Drafting", "LookupDrafting", "ParallelDrafting", "Proposal", "TreeDrafting", "chain_logits",
+           "lookup_drafts", "make_drafting", "parallel_logits", "tree_draft"]
 
 
 class Drafting(Protocol):
-    kind: str  # "chain", "parallel" or "tree"
+    kind: str  # "chain", "parallel", "tree" or "lookup"
     topk: int  # children per node (1: a chain)
     max_depth: int  # most drafts one step can accept
     num_draft_tokens: int  # rows the target verifies past the last token
     cache_margin: int  # positions past a request's new tokens that a step may write
+    needs_context: bool  # propose reads each request's tokens by position (context [B, L])
 
-    def propose(self, root: torch.Tensor, state: DraftState, penalty: Penalty | None = None) -> Proposal: ...
+    def propose(self, root: torch.Tensor, state: DraftState, penalty: Penalty | None = None,
+                context: torch.Tensor | None = None) -> Proposal: ...
 
     def verify(self, proposal: Proposal, logits: torch.Tensor, seeds: torch.Tensor | None,
                offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...

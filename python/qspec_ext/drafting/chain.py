@@ -63,6 +63,7 @@ class ChainDrafting:
 
     kind = "chain"
     topk = 1
+    needs_context = False  # True: propose reads each request's tokens (context)
 
     def __init__(self, drafter, k: int, check_bounds: bool = True):
         if drafter.config.parallel_drafting != (self.kind == "parallel"):
@@ -83,9 +84,11 @@ class ChainDrafting:
         """The k greedy drafts ``[B, k]`` (target-vocabulary ids)."""
         return self.drafter.draft_to_target(self.logits(state, penalty).argmax(dim=-1))
 
-    def propose(self, root: torch.Tensor, state: DraftState, penalty: Penalty | None = None) -> Proposal:
+    def propose(self, root: torch.Tensor, state: DraftState, penalty: Penalty | None = None,
+                context: torch.Tensor | None = None) -> Proposal:
         """root [B]: the position of each request's last verified token (-1: inactive);
-        ``penalty``: (repetition penalty, seen tokens [B, V]) for the drafts."""
+        ``penalty``: (repetition penalty, seen tokens [B, V]) for the drafts; ``context``: unused
+        (see ``needs_context``)."""
         # Made afresh each step: a tensor kept from one compiled step to the next would be a
         # CUDA graph's output that a later replay may overwrite.
         return Proposal(self.draft(state, penalty), torch.arange(self.k + 1, device=root.device)[None])

@@ -75,6 +75,7 @@ class TreeDrafting:
     verified. ``check_bounds``: as :class:`~qspec_ext.drafting.chain.ChainDrafting`'s."""
 
     kind = "tree"
+    needs_context = False
 
     def __init__(self, target, drafter, depth: int, topk: int, num_draft_tokens: int | None,
                  check_bounds: bool = True):
@@ -106,7 +107,7 @@ class TreeDrafting:
                                           f"a tree of depth {self.depth} and topk {self.topk}")
         return tree_draft(self.drafter, state, self.depth, self.topk, self.num_draft_tokens)
 
-    def propose(self, root: torch.Tensor, state: DraftState, penalty=None) -> Proposal:
+    def propose(self, root: torch.Tensor, state: DraftState, penalty=None, context=None) -> Proposal:
         if penalty is not None:
             raise ValueError("TreeDrafting: a repetition penalty runs with chain and parallel drafting, not trees")
         draft_ids, parents = self.draft(state)

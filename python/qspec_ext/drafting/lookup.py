@@ -1,0 +1,71 @@
+"""Prompt lookup: drafts copied from the request's own context (the prompt and what it generated)
+where its newest tokens occurred before, EAGLE-3 drafts where they did not; verified as a chain.
+
+Summaries and chat answers copy spans of the prompt and of themselves, which an n-gram match
+predicts well and a one-layer drafter predicts poorly (llama.cpp's lookup decoding, vLLM's
+``ngram`` proposer). Each step, per request: the longest n in ``ngram`` (largest first) whose last
+n tokens occur earlier in the context; the k tokens after their latest occurrence are the drafts.
+The EAGLE-3 chain drafts every step too (one graph, no host synchronization), and is used where no
+n-gram matched. Either way a draft is a deterministic proposal: verification stays lossless.
+"""
+
+import torch
+
+from ..models.eagle3 import DraftState
+from .chain import ChainDrafting, Penalty, Proposal
+
+
+def lookup_drafts(tokens: torch.Tensor, length: torch.Tensor, k: int, ngram: tuple[int, ...]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``tokens [B, L]``: each request's tokens by position, valid below ``length [B]``. Returns
+    (drafts ``[B, k]``, found ``[B]`` bool): for the largest n of ``ngram`` whose last n tokens
+    (positions length - n .. length - 1) also start at an earlier position s (s + n < length, the
+    latest such s), the tokens from s + n on. A continuation that runs into the suffix repeats
+    with its period (length - s - n), as the pattern itself would."""
+    batch, width = tokens.shape
+    drafts = torch.zeros(batch, k, dtype=tokens.dtype, device=tokens.device)
+    found = torch.zeros(batch, dtype=torch.bool, device=tokens.device)
+    draft_index = torch.arange(k, device=tokens.device)
+    for n in sorted(ngram, reverse=True):
+        if n >= width:
+            continue
+        suffix = tokens.gather(1, (length[:, None] - n + torch.arange(n, device=tokens.device)).clamp(0, width - 1))
+        match = (tokens.unfold(1, n, 1) == suffix[:, None, :]).all(dim=-1)  # [B, L - n + 1] by start
+        starts = torch.arange(match.shape[1], device=tokens.device)
+        usable = match & (starts + n < length[:, None]) & (length[:, None] > n)
+        latest = torch.where(usable, starts, -1).max(dim=1).values
+        new = (latest >= 0) & ~found
+        period = (length - latest - n).clamp(min=1)
+        copied = tokens.gather(1, ((latest + n)[:, None] + draft_index % period[:, None]).clamp(0, width - 1))
+        drafts = torch.where(new[:, None], copied, drafts)
+        found |= new
+    return drafts, found
+
+
+class LookupDrafting(ChainDrafting):
+    """k drafts per step: prompt lookup (:func:`lookup_drafts` over n-grams of ``ngram`` tokens)
+    where a match exists, the EAGLE-3 chain's drafts elsewhere; chain verification. Pass it to
+    :class:`~qspec_ext.decode.SpeculativeDecoder` as ``drafting=`` (the loop keeps each request's
+    tokens for it: ``needs_context``)."""
+
+    kind = "lookup"
+    needs_context = True
+
+    def __init__(self, drafter, k: int, ngram: tuple[int, ...] = (4, 3, 2), check_bounds: bool = True):
+        if drafter.config.parallel_drafting:
+            raise ValueError("LookupDrafting: prompt lookup falls back to a chain EAGLE-3 drafter; got a P-EAGLE "
+                             "(parallel) drafter")
+        if not ngram or min(ngram) < 1:
+            raise ValueError(f"LookupDrafting: ngram must list n-gram sizes >= 1, got {ngram}")
+        super().__init__(drafter, k, check_bounds)
+        self.ngram = tuple(ngram)
+
+    def propose(self, root: torch.Tensor, state: DraftState, penalty: Penalty | None = None,
+                context: torch.Tensor | None = None) -> Proposal:
+        """``context [B, L]``: each request's tokens by position through ``root`` (its newest)."""
+        if context is None:
+            raise ValueError("LookupDrafting.propose: needs each request's tokens (context); the decode loop gives "
+                             "them to a drafting with needs_context")
+        copied, found = lookup_drafts(context, root + 1, self.k, self.ngram)
+        drafts = torch.where(found[:, None], copied, self.draft(state, penalty))
+        return Proposal(drafts, torch.arange(self.k + 1, device=root.device)[None])

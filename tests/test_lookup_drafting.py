@@ -1,0 +1,94 @@
+"""Prompt-lookup drafting: n-gram matches in each request's own tokens, EAGLE-3 drafts elsewhere;
+lossless like every strategy (greedy == plain, the sampling law holds)."""
+
+import pytest
+import torch
+
+from qspec_ext import NativeTarget, SpeculativeDecoder, generate_plain
+from qspec_ext.drafting import LookupDrafting, lookup_drafts
+
+from helpers import AUX, PROMPTS, law_pvalue, make_drafter, make_hf, target_law
+
+
+def lookup_by_hand(tokens: list[int], k: int, ngram) -> list[int] | None:
+    """The reference: for the largest n first, the latest earlier start of the last n tokens;
+    the k tokens after it, a continuation past the end repeating with its period."""
+    for n in sorted(ngram, reverse=True):
+        if len(tokens) <= n:
+            continue
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == suffix:
+                period = len(tokens) - start - n
+                return [tokens[start + n + j % period] for j in range(k)]
+    return None
+
+
+def test_lookup_drafts_match_the_rule_written_by_hand():
+    rng = torch.Generator().manual_seed(0)
+    cases = [[1, 2, 3, 9, 1, 2, 3], [5, 5, 5, 5], [1, 2, 3, 4], [7], [4, 1, 2, 8, 8, 1, 2], [3, 1, 2, 3, 1, 2, 3]]
+    cases += [torch.randint(0, 4, (int(n),), generator=rng).tolist() for n in torch.randint(1, 40, (40,), generator=rng)]
+    width = max(map(len, cases)) + 3
+    tokens = torch.full((len(cases), width), 99)  # past each length: stale tokens that must not match
+    for b, case in enumerate(cases):
+        tokens[b, : len(case)] = torch.tensor(case)
+    length = torch.tensor([len(c) for c in cases])
+    for k, ngram in [(3, (2,)), (5, (3, 2, 1)), (4, (4, 3))]:
+        drafts, found = lookup_drafts(tokens, length, k, ngram)
+        for b, case in enumerate(cases):
+            expected = lookup_by_hand(case, k, ngram)
+            assert bool(found[b]) == (expected is not None), (case, ngram)
+            if expected is not None:
+                assert drafts[b].tolist() == expected, (case, k, ngram)
+    drafts, found = lookup_drafts(tokens[:1], length[:1], 4, (3,))
+    assert found.tolist() == [True] and drafts.tolist() == [[9, 1, 2, 3]]
+
+
+REPEATING = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [11, 12, 11, 12, 11], [20, 21, 22, 23, 24], [3, 3, 3, 3]]
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_lookup_greedy_is_plain_decoding(hf_dir, batch):
+    target = NativeTarget.from_pretrained(hf_dir, aux_layer_ids=AUX)
+    drafter = make_drafter()
+    prompts = REPEATING[:batch] + PROMPTS[: batch // 2]
+    plain = generate_plain(target, prompts, 40)
+    for k in (1, 3, 6):
+        decoder = SpeculativeDecoder(target, drafter, k, drafting=LookupDrafting(drafter, k, check_bounds=False))
+        spec = decoder.generate(prompts, 40)
+        assert spec.tokens == plain.tokens
+    # A random drafter is rarely right; the target's own loops are found in the context.
+    eagle = SpeculativeDecoder(target, drafter, 6).generate(prompts, 40).stats.mean_acceptance_length
+    assert spec.stats.mean_acceptance_length > eagle
+
+
+def test_lookup_compiled_greedy_is_plain_decoding(hf_dir):
+    target = NativeTarget.from_pretrained(hf_dir, aux_layer_ids=AUX)
+    drafter = make_drafter()
+    plain = generate_plain(target, REPEATING[:2], 24)
+    decoder = SpeculativeDecoder(target, drafter, 3, drafting=LookupDrafting(drafter, 3, check_bounds=False),
+                                 compile=True)
+    assert decoder.generate(REPEATING[:2], 24).tokens == plain.tokens
+
+
+def test_lookup_sampling_follows_the_target_distribution(tmp_path):
+    vocab, prompt, n, length, k = 6, [1, 2, 1, 2, 1], 3000, 4, 2
+    hf = make_hf(vocab=vocab, seed=4, scale=4.0)
+    hf.save_pretrained(tmp_path)
+    target = NativeTarget.from_pretrained(tmp_path, aux_layer_ids=AUX)
+    drafter = make_drafter(vocab=vocab)
+    law = target_law(hf, prompt, vocab, length, 1.0, 4, None)
+    decoder = SpeculativeDecoder(target, drafter, k, drafting=LookupDrafting(drafter, k, check_bounds=False))
+    spec = decoder.generate([prompt] * n, length, temperature=1.0, top_k=4, seed=11)
+    assert law_pvalue(spec.tokens, law) > 1e-3
+    assert spec.stats.accepted_per_position[k - 1] > 0
+
+
+def test_lookup_errors():
+    drafter = make_drafter()
+    with pytest.raises(ValueError, match="LookupDrafting: ngram"):
+        LookupDrafting(drafter, 3, ngram=())
+    with pytest.raises(ValueError, match="LookupDrafting: prompt lookup falls back to a chain"):
+        LookupDrafting(make_drafter(parallel_drafting=True, mask_token_id=0), 3)
+    with pytest.raises(ValueError, match="LookupDrafting.propose: needs each request's tokens"):
+        LookupDrafting(drafter, 3).propose(torch.tensor([3]), None)
