@@ -138,3 +138,28 @@ def test_the_draft_vocabulary_counts_answer_tokens_only():
     counts, ids = draft_vocabulary(sequences, vocab_size=10, size=3)
     assert counts == {1: 1, 2: 2, 3: 3}
     assert ids.tolist() == [1, 2, 3]
+
+
+def test_the_converted_tensor_cache_follows_a_checkpoint_rewritten_in_place(tmp_path):
+    """The same file name and size with new contents (a drafter retrained and saved over the old
+    one): the converted copy is made anew, not the old one mapped."""
+    import os
+    import sys
+
+    from safetensors.torch import save_file
+
+    from qspec_ext.models.checkpoint import map_tensor_converted
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("converted tensors are mapped on Linux only")
+    checkpoint = tmp_path / "draft"
+    checkpoint.mkdir()
+    path = checkpoint / "model.safetensors"
+    for seed in (0, 1):
+        weight = torch.randn(64, 32, generator=torch.Generator().manual_seed(seed))
+        size_before = path.stat().st_size if path.exists() else None
+        save_file({"embed_tokens.weight": weight}, str(path))
+        os.utime(path, ns=(10**18 + seed * 10**9, 10**18 + seed * 10**9))  # a new modification time, surely
+        assert size_before in (None, path.stat().st_size), "rewritten at the same size"
+        mapped = map_tensor_converted(checkpoint, "embed_tokens.weight", torch.bfloat16, tmp_path / "cache")
+        assert mapped is not None and torch.equal(mapped.tensor, weight.to(torch.bfloat16))
