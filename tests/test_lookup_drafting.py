@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from qspec_ext import NativeTarget, SpeculativeDecoder, generate_plain
-from qspec_ext.drafting import LookupDrafting, lookup_drafts
+from qspec_ext.drafting import LookupDrafting, LookupTreeDrafting, lookup_drafts
 
 from helpers import AUX, PROMPTS, law_pvalue, make_drafter, make_hf, target_law
 
@@ -92,3 +92,30 @@ def test_lookup_errors():
         LookupDrafting(make_drafter(parallel_drafting=True, mask_token_id=0), 3)
     with pytest.raises(ValueError, match="LookupDrafting.propose: needs each request's tokens"):
         LookupDrafting(drafter, 3).propose(torch.tensor([3]), None)
+
+
+@pytest.mark.parametrize("depth,topk,nodes,lookup", [(3, 2, 6, None), (2, 3, 4, 5)])
+def test_lookup_tree_greedy_is_plain_decoding(hf_dir, depth, topk, nodes, lookup):
+    target = NativeTarget.from_pretrained(hf_dir, aux_layer_ids=AUX)
+    drafter = make_drafter()
+    prompts = REPEATING + PROMPTS[:2]
+    plain = generate_plain(target, prompts, 40)
+    drafting = LookupTreeDrafting(target, drafter, depth, topk, nodes, lookup_tokens=lookup, check_bounds=False)
+    assert drafting.num_draft_tokens == nodes + (lookup or depth)
+    spec = SpeculativeDecoder(target, drafter, depth, drafting=drafting).generate(prompts, 40)
+    assert spec.tokens == plain.tokens
+    tree_only = SpeculativeDecoder(target, drafter, depth, topk=topk, num_draft_tokens=nodes).generate(prompts, 40)
+    assert spec.stats.mean_acceptance_length > tree_only.stats.mean_acceptance_length, "the copied branch is taken"
+
+
+def test_lookup_tree_sampling_follows_the_target_distribution(tmp_path):
+    vocab, prompt, n, length = 6, [1, 2, 1, 2, 1], 3000, 4
+    hf = make_hf(vocab=vocab, seed=4, scale=4.0)
+    hf.save_pretrained(tmp_path)
+    target = NativeTarget.from_pretrained(tmp_path, aux_layer_ids=AUX)
+    drafter = make_drafter(vocab=vocab)
+    law = target_law(hf, prompt, vocab, length, 1.0, 4, None)
+    drafting = LookupTreeDrafting(target, drafter, 2, 2, 3, check_bounds=False)
+    spec = SpeculativeDecoder(target, drafter, 2, drafting=drafting).generate([prompt] * n, length, temperature=1.0,
+                                                                             top_k=4, seed=12)
+    assert law_pvalue(spec.tokens, law) > 1e-3

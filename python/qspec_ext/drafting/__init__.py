@@ -6,7 +6,8 @@ target's logits, and commit what was accepted.
 - :class:`ParallelDrafting` (parallel.py): P-EAGLE, k drafts from one drafter forward;
 - :class:`TreeDrafting` (tree.py): an EAGLE-2 dynamic tree, tree verification;
 - :class:`LookupDrafting` (lookup.py): prompt lookup (n-gram matches in the request's own tokens),
-  the EAGLE-3 chain where nothing matches; chain verification.
+  the EAGLE-3 chain where nothing matches; chain verification. :class:`LookupTreeDrafting`: the
+  EAGLE-2 tree with the copied span as one more branch.
 
 The drafter (models/eagle3.py) is the network: its forward, and its prefill, which returns the
 :class:`~qspec_ext.models.eagle3.DraftState` these strategies draft from.
@@ -19,11 +20,11 @@ import torch
 from ..arguments import check_int
 from ..models.eagle3 import DraftState
 from .chain import ChainDrafting, Penalty, Proposal, chain_logits
-from .lookup import LookupDrafting, lookup_drafts
+from .lookup import LookupDrafting, LookupTreeDrafting, lookup_drafts
 from .parallel import ParallelDrafting, parallel_logits
 from .tree import TreeDrafting, tree_draft
 
-__all__ = ["ChainDrafting", "Drafting", "LookupDrafting", "ParallelDrafting", "Proposal", "TreeDrafting", "chain_logits",
+__all__ = ["ChainDrafting", "Drafting", "LookupDrafting", "LookupTreeDrafting", "ParallelDrafting", "Proposal", "TreeDrafting", "chain_logits",
            "lookup_drafts", "make_drafting", "parallel_logits", "tree_draft"]
 
 

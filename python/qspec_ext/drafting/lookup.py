@@ -6,13 +6,18 @@ predicts well and a one-layer drafter predicts poorly (llama.cpp's lookup decodi
 ``ngram`` proposer). Each step, per request: the longest n in ``ngram`` (largest first) whose last
 n tokens occur earlier in the context; the k tokens after their latest occurrence are the drafts.
 The EAGLE-3 chain drafts every step too (one graph, no host synchronization), and is used where no
-n-gram matched. Either way a draft is a deterministic proposal: verification stays lossless.
+n-gram matched (:class:`LookupDrafting`), or the EAGLE-2 tree gets the copied span as one more
+branch (:class:`LookupTreeDrafting`). Either way a draft is a deterministic proposal: verification
+stays lossless.
 """
 
 import torch
 
+from ..arguments import check_int
 from ..models.eagle3 import DraftState
+from ..models.layers import TreeAttention, tree_ancestors
 from .chain import ChainDrafting, Penalty, Proposal
+from .tree import TreeDrafting
 
 
 def lookup_drafts(tokens: torch.Tensor, length: torch.Tensor, k: int, ngram: tuple[int, ...]
@@ -69,3 +74,41 @@ class LookupDrafting(ChainDrafting):
         copied, found = lookup_drafts(context, root + 1, self.k, self.ngram)
         drafts = torch.where(found[:, None], copied, self.draft(state, penalty))
         return Proposal(drafts, torch.arange(self.k + 1, device=root.device)[None])
+
+
+class LookupTreeDrafting(TreeDrafting):
+    """An EAGLE-2 tree (:class:`~qspec_ext.drafting.tree.TreeDrafting`) with a prompt-lookup branch:
+    ``lookup_tokens`` nodes in a chain under the root, the :func:`lookup_drafts` continuation where
+    a match exists, placed first (where both branches hold the token the target picks, verification
+    follows the copied span). Verified losslessly as any tree: a branch of wrong drafts is rejected
+    at its first node."""
+
+    kind = "lookup-tree"
+    needs_context = True
+
+    def __init__(self, target, drafter, depth: int, topk: int, num_draft_tokens: int | None = None,
+                 lookup_tokens: int | None = None, ngram: tuple[int, ...] = (4, 3, 2), check_bounds: bool = True):
+        super().__init__(target, drafter, depth, topk, num_draft_tokens, check_bounds)
+        self.lookup_tokens = check_int("LookupTreeDrafting", "lookup_tokens", lookup_tokens or depth, 1, 32)
+        self.ngram = tuple(ngram)
+        self.tree_tokens = self.num_draft_tokens
+        self.num_draft_tokens += self.lookup_tokens
+        self.max_depth = max(depth, self.lookup_tokens)
+        self.cache_margin = self.max_depth + max(self.num_draft_tokens + 1, (depth - 1) * topk + 1)
+
+    def propose(self, root: torch.Tensor, state: DraftState, penalty=None,
+                context: torch.Tensor | None = None) -> Proposal:
+        if penalty is not None:
+            raise ValueError("LookupTreeDrafting: a repetition penalty runs with chain and parallel drafting, not trees")
+        if context is None:
+            raise ValueError("LookupTreeDrafting.propose: needs each request's tokens (context)")
+        tree_ids, tree_parents = self.draft(state)
+        copied, _ = lookup_drafts(context, root + 1, self.lookup_tokens, self.ngram)
+        batch, n = copied.shape[0], self.lookup_tokens
+        # Nodes 1..n: the copied chain (node 1 under the root); then the tree, its node ids moved by n.
+        chain_parents = torch.arange(n, device=root.device).expand(batch, n)
+        parents = torch.cat([chain_parents, torch.where(tree_parents > 0, tree_parents + n, 0)], dim=1)
+        draft_ids = torch.cat([copied, tree_ids], dim=1)
+        ancestors = tree_ancestors(parents)
+        tree = TreeAttention(root, ancestors, self.target.max_length)
+        return Proposal(draft_ids, ancestors.sum(-1) - 1, parents, tree)
