@@ -42,6 +42,7 @@ from common import print_child_result, run_child
 
 from qspec_ext import SpeculativeDecoder, generate_plain, load_pair
 from qspec_ext.bench import in_batches, interleaved_rounds
+from qspec_ext.drafting import LookupDrafting, LookupTreeDrafting
 from qspec_ext.models.checkpoint import trim_heap
 from qspec_ext.prompts import CATEGORIES, heldout_prompts
 from qspec_ext.shipped import SMOLLM2_DIR, drafter_dir, target_dir
@@ -54,6 +55,17 @@ def requests(category: str | None, count: int) -> list[list[int]]:
     directory = target_dir("smollm2")
     return [chat_ids(directory, [{"role": "user", "content": r["prompt"]}])
             for r in heldout_prompts(category)[:count]]
+
+
+def decoder(target, drafter, drafting: str, k: int, args) -> SpeculativeDecoder:
+    """chain / parallel: the drafter's kind; lookup: prompt lookup, the chain where nothing matches;
+    tree / lookup-tree: an EAGLE-2 tree of depth k and --topk (with a copied branch of k nodes)."""
+    if drafting == "lookup":
+        return SpeculativeDecoder(target, drafter, k, drafting=LookupDrafting(drafter, k, check_bounds=False))
+    if drafting == "lookup-tree":
+        return SpeculativeDecoder(target, drafter, k, drafting=LookupTreeDrafting(
+            target, drafter, k, args.topk, None, check_bounds=False))
+    return SpeculativeDecoder(target, drafter, k, topk=args.topk if drafting == "tree" else 1)
 
 
 def acceptance(args) -> list[dict]:
@@ -69,8 +81,9 @@ def acceptance(args) -> list[dict]:
                 prompts = requests(category, args.per_category)
                 for mode, sampling in modes:
                     for k in args.k:
-                        s = SpeculativeDecoder(target, drafter, k).generate(prompts, args.max_new_tokens,
-                                                                           eos_token_id=stops, **sampling).stats
+                        s = decoder(target, drafter, drafting, k, args).generate(
+                            prompts, args.max_new_tokens, eos_token_id=stops, repetition_penalty=args.repetition_penalty,
+                            **sampling).stats
                         rows.append(dict(drafters=name, drafting=drafting, category=category, mode=mode, k=k,
                                          acceptance_length=s.mean_acceptance_length,
                                          per_position=s.acceptance_rate_per_position, tokens=s.num_generated_tokens))
@@ -103,15 +116,16 @@ def speed(args) -> list[dict]:
             configs[name] = (dtype, compiled, lambda p, t=target, c=compiled: generate_plain(
                 t, p, args.max_new_tokens, eos_token_id=stops, compile=c))
         for drafting in args.drafting:
-            drafter = chain if drafting in ("chain", "tree") else load_pair(
+            drafter = chain if drafting != "parallel" else load_pair(
                 "smollm2", drafter_dir("smollm2", parallel=True), dtype=dtype)[1]
             for k, mode in itertools.product(args.k, args.modes):
-                decoder = SpeculativeDecoder(target, drafter, k, topk=args.topk if drafting == "tree" else 1,
-                                             compile=mode == "compiled")
-                name = f"tree k={k} topk={args.topk}" if drafting == "tree" else f"{drafting} k={k}"
-                configs[f"{name} {dtype} {mode}"] = (dtype, mode == "compiled", lambda p, d=decoder: d.generate(
+                spec = decoder(target, drafter, drafting, k, args)
+                if mode == "compiled":
+                    spec = SpeculativeDecoder(target, drafter, k, compile=True, drafting=spec.drafting)
+                name = f"{drafting} k={k} topk={args.topk}" if "tree" in drafting else f"{drafting} k={k}"
+                configs[f"{name} {dtype} {mode}"] = (dtype, mode == "compiled", lambda p, d=spec: d.generate(
                     p, args.max_new_tokens, eos_token_id=stops))
-            if args.adaptive and drafting != "tree":
+            if args.adaptive and drafting in ("chain", "parallel"):
                 for mode in args.modes:  # one decoder per mode: what it measures carries across rounds and batches
                     decoder = SpeculativeDecoder(target, drafter, 5, compile=mode == "compiled", adaptive=True)
                     configs[f"{drafting} k=auto {dtype} {mode}"] = (dtype, mode == "compiled", lambda p, d=decoder: (
@@ -217,8 +231,12 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["acceptance", "speed", "memory"])
     parser.add_argument("-k", type=int, nargs="+", default=None)
-    parser.add_argument("--drafting", nargs="+", choices=["chain", "parallel", "tree"], default=["chain"],
-                        help="tree (speed only): EAGLE-2 trees of depth k from the chain drafter, --topk children")
+    parser.add_argument("--drafting", nargs="+", choices=["chain", "parallel", "tree", "lookup", "lookup-tree"],
+                        default=["chain"], help="tree: EAGLE-2 trees of depth k from the chain drafter, --topk "
+                        "children; lookup: prompt lookup, the chain where nothing matches; lookup-tree: the tree "
+                        "with a copied branch")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="acceptance: decode with this repetition penalty (the demo's and chat's: 1.1)")
     parser.add_argument("--topk", type=int, default=2, help="tree drafting: children per node")
     parser.add_argument("--adaptive", action="store_true",
                         help="speed: also each chain / parallel drafting with adaptive draft lengths (0..5 per step)")

@@ -30,6 +30,7 @@ what the trainer's held-out teacher-forced accuracy reads (never training data).
 
 import argparse
 import ast
+import gzip
 import itertools
 import json
 import random
@@ -406,7 +407,8 @@ def main():
     parser.add_argument("--limit-seconds", type=float, default=None, help="stop (resumable) after this long")
     parser.add_argument("--heldout", action="store_true", help="the held-out prompts' answers, for evaluation")
     parser.add_argument("--penalized", action="store_true",
-                        help="the third set: answers at repetition penalty 1.1 (prompts-penalty.jsonl, answers-penalty.npz)")
+                        help="the third set: answers at repetition penalty 1.1 (prompts-penalty.jsonl.gz, "
+                             "answers-penalty.npz)")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="the target's dtype while answering")
     args = parser.parse_args()
     out = Path(args.out)
@@ -460,12 +462,12 @@ def main():
 
 
 def answer_penalized(args, out: Path, target, directory, tokenizer, deadline: float | None) -> None:
-    prompts_path = out / "prompts-penalty.jsonl"
+    prompts_path = out / "prompts-penalty.jsonl.gz"  # compressed: the follow-ups carry whole conversations
     if prompts_path.is_file():
-        rows = [json.loads(line) for line in prompts_path.read_text().splitlines()]
+        rows = [json.loads(line) for line in gzip.decompress(prompts_path.read_bytes()).decode().splitlines()]
     else:
         rows = penalized_rows(out, tokenizer, random.Random(args.seed + 1), HeldoutFilter())
-        prompts_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        prompts_path.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode(), mtime=0))
     answers = Answers(out / "answers-penalty.npz")
     step = 4 * args.batch
     for i in range(0, len(rows), step):

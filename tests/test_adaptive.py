@@ -59,9 +59,12 @@ def test_policy_picks_the_most_tokens_per_second():
 
 
 def test_policy_probes_a_draft_while_plain_steps_win():
+    # Drafting just behind (rate 1.5 / 1.55 against 1): a probe every probe_every steps.
+    policy = timed_policy({0: 1.0, 1: 1.55, 2: 3.0}, 0.5, probe_every=4)
+    assert [policy.choose(1) for _ in range(12)] == [0, 0, 0, 1] * 3
+    # Far behind (1.5 / 2 = 0.75 of plain): probes spaced to cost 1% (25 steps).
     policy = timed_policy({0: 1.0, 1: 2.0, 2: 3.0}, 0.5, probe_every=4)
-    chosen = [policy.choose(1) for _ in range(12)]
-    assert chosen == [0, 0, 0, 1] * 3
+    assert [policy.choose(1) for _ in range(50)] == ([0] * 24 + [1]) * 2
 
 
 def test_policy_acceptance_follows_what_was_accepted():

@@ -8,6 +8,7 @@ requests, decayed so that the estimate follows the text) and a cost table measur
 wall time of each step, from one step's start to the next one's, kept per (batch rows, k).
 """
 
+import math
 import statistics
 from collections import deque
 
@@ -42,13 +43,15 @@ class DraftLengthPolicy:
     takes the estimate of the one before (the first: ``prior``). Costs: the median of the last
     ``window`` step times per (batch bucket, k); each k is timed ``samples`` times at a bucket
     before the first choice there. While k = 0 wins, every ``probe_every``-th step drafts the best
-    k > 0 anyway, so that the acceptance estimate can recover when the text gets easier."""
+    k > 0 anyway (more rarely where that k is far behind: probes cost at most ``probe_budget`` of the
+    throughput), so that the acceptance estimate can recover when the text gets easier."""
 
     def __init__(self, lengths: tuple[int, ...], prior: float = 0.5, decay: float = 0.98, window: int = 9,
-                 samples: int = 3, probe_every: int = 16):
+                 samples: int = 3, probe_every: int = 16, probe_budget: float = 0.01):
         if lengths[0] != 0:
             lengths = (0, *lengths)
-        self.lengths, self.decay, self.samples, self.probe_every = lengths, decay, samples, probe_every
+        self.lengths, self.decay, self.samples = lengths, decay, samples
+        self.probe_every, self.probe_budget = probe_every, probe_budget
         self.window, self.prior = window, prior
         self.reached = [0.0] * max(lengths)
         self.accepted = [0.0] * max(lengths)
@@ -81,8 +84,12 @@ class DraftLengthPolicy:
             rates = self.rates(rows)
             k = max(rates, key=rates.get)
             self.plain_streak = self.plain_streak + 1 if k == 0 else 0
-            if k == 0 and self.plain_streak >= self.probe_every:
-                k, self.plain_streak = max((k for k in rates if k > 0), key=rates.get), 0
+            drafting = max((k for k in rates if k > 0), key=rates.get)
+            # A probe loses (1 - its rate / plain's) of a step: spaced so that probes cost at most
+            # probe_budget of the throughput.
+            every = max(self.probe_every, math.ceil((1 - rates[drafting] / rates[0]) / self.probe_budget))
+            if k == 0 and self.plain_streak >= every:
+                k, self.plain_streak = drafting, 0
         return k
 
     def record(self, rows: int, k: int, seconds: float, accepted: list[int]) -> None:
