@@ -128,6 +128,14 @@ def test_training_prompts_are_disjoint_from_the_heldout_set():
     for path in paths:
         training = [json.loads(line)["prompt"] for line in path.read_text().splitlines()]
         assert len(training) > 100 and not [p for p in training if heldout.overlaps(p)], path.name
+    penalized = data / "prompts-penalty.jsonl.gz"  # the third set: every user turn of every conversation
+    if penalized.is_file():
+        import gzip
+
+        rows = [json.loads(line) for line in gzip.decompress(penalized.read_bytes()).decode().splitlines()]
+        turns = [m["content"] for r in rows for m in r.get("messages", [{"role": "user", "content": r["prompt"]}])
+                 if m["role"] == "user"]
+        assert len(turns) > len(rows) > 1000 and not [t for t in turns if heldout.overlaps(t)], penalized.name
 
 
 def shipped_drafter(parallel: bool = False):
