@@ -12,14 +12,14 @@ VLLM_SCRIPT = textwrap.dedent("""
     from vllm import LLM, SamplingParams
 
     def main():
-        target, draft, prompts, new_tokens, k, parallel, temperature = json.loads(sys.argv[1])
+        target, draft, prompts, new_tokens, k, parallel, temperature, per_request = json.loads(sys.argv[1])
         speculative = None if draft is None else {"method": "eagle3", "model": draft, "num_speculative_tokens": k,
                                                   "parallel_drafting": parallel}
         llm = LLM(model=target, skip_tokenizer_init=True, enforce_eager=True, dtype="float32", max_model_len=256,
                   disable_log_stats=False, seed=0, speculative_config=speculative)
-        out = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           SamplingParams(temperature=temperature, max_tokens=new_tokens, ignore_eos=True,
-                                          detokenize=False))
+        common = dict(temperature=temperature, max_tokens=new_tokens, ignore_eos=True, detokenize=False)
+        params = [SamplingParams(**{**common, **options}) for options in per_request or [{}] * len(prompts)]
+        out = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         metrics = {m.name: getattr(m, "value", getattr(m, "values", None)) for m in llm.get_metrics()}
         try:
             from qspec_ext.integrations import vllm as plugin
@@ -36,13 +36,16 @@ VLLM_SCRIPT = textwrap.dedent("""
 """)
 
 
-def run_vllm(target, draft, tmp_path, prompts, new_tokens, k, parallel=False, temperature=0.0, plugin=True) -> dict:
-    """plugin=False runs stock vLLM (QSPEC_VLLM_DISABLE=all: the plugin loads and installs no seam)."""
+def run_vllm(target, draft, tmp_path, prompts, new_tokens, k, parallel=False, temperature=0.0, plugin=True,
+             per_request: list[dict] | None = None) -> dict:
+    """plugin=False runs stock vLLM (QSPEC_VLLM_DISABLE=all: the plugin loads and installs no seam);
+    ``per_request``: SamplingParams options of each prompt (seed, penalties, logprobs, ...)."""
     script = tmp_path / "run_vllm.py"
     script.write_text(VLLM_SCRIPT)
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
     env["QSPEC_VLLM_DISABLE"] = "" if plugin else "all"
-    args = [str(target), None if draft is None else str(draft), prompts, new_tokens, k, parallel, temperature]
+    args = [str(target), None if draft is None else str(draft), prompts, new_tokens, k, parallel, temperature,
+            per_request]
     proc = subprocess.run([sys.executable, str(script), json.dumps(args)], capture_output=True, text=True, env=env,
                           timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]

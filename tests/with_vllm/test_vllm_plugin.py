@@ -105,7 +105,7 @@ def sampler_inputs(num_draft, drafts, logits, temperature, top_k=None):
         max_num_logprobs=None, no_penalties=True, prompt_token_ids=None, frequency_penalties=torch.zeros(batch),
         presence_penalties=torch.zeros(batch), repetition_penalties=torch.ones(batch),
         output_token_ids=[[] for _ in range(batch)], allowed_token_ids_mask=None, bad_words_token_ids={},
-        logitsprocs=LogitsProcessors(), spec_token_ids=[[] for _ in range(batch)])
+        logitsprocs=LogitsProcessors(), spec_token_ids=[drafts[int(c) - n : int(c)] for c, n in zip(cu, num_draft)])
     return metadata, logits, sampling
 
 
@@ -175,26 +175,76 @@ def test_the_sampler_follows_the_targets_law(top_k):
         assert 1 <= n_out <= num_draft[b] + 1 and bool((out[b, n_out:] == -1).all())
 
 
-def test_the_sampler_defers_what_it_does_not_implement(monkeypatch):
+def test_the_sampler_takes_every_request_and_defers_only_synthetic_or_long_drafts(monkeypatch):
     from vllm.v1.sample.rejection_sampler import RejectionSampler
 
     ours = our_sampler()
     deferred = []
     monkeypatch.setattr(RejectionSampler, "forward", lambda self, *args: deferred.append(args) or "stock")
-    metadata, logits, sampling = sampler_inputs([2, 2], [1, 2, 3, 4], torch.randn(6, 9), [0.0, 0.0])
-    for change in (dict(max_num_logprobs=2), dict(no_penalties=False), dict(bad_words_token_ids={0: [[3]]}),
-                   dict(generators={0: torch.Generator()}), dict(allowed_token_ids_mask=torch.zeros(2, 9, dtype=torch.bool))):
+    metadata, logits, sampling = sampler_inputs([2, 2], [1, 2, 3, 4], torch.randn(6, 9), [0.0, 0.8])
+    sampling.all_greedy = sampling.all_random = False
+    sampling.temperature = torch.tensor([0.0, 0.8])
+    for change in (dict(max_num_logprobs=2), dict(no_penalties=False, prompt_token_ids=torch.tensor([[1, 2], [3, 9]])),
+                   dict(bad_words_token_ids={0: [[3]]}), dict(generators={1: torch.Generator().manual_seed(5)}),
+                   dict(allowed_token_ids_mask=torch.zeros(2, 9, dtype=torch.bool))):
         saved = {name: getattr(sampling, name) for name in change}
         for name, value in change.items():
             setattr(sampling, name, value)
         plugin.CALLS.clear()
-        assert ours(metadata, None, logits, sampling) == "stock", change
-        assert plugin.CALLS["rejection_sampler_deferred"] == 1 and plugin.CALLS["rejection_sampler"] == 0
+        out = ours(metadata, None, logits.clone(), sampling)
+        assert out.sampled_token_ids.shape == (2, 3) and plugin.CALLS["rejection_sampler"] == 1, change
+        assert (out.logprobs_tensors is not None) == ("max_num_logprobs" in change)
         for name, value in saved.items():
             setattr(sampling, name, value)
-    assert ours(metadata, torch.rand(4, 9), logits, sampling) == "stock"  # draft probabilities
-    assert len(deferred) == 6
-    assert ours(metadata, None, logits, sampling).sampled_token_ids.shape == (2, 3)
+    assert ours(metadata, torch.rand(4, 9).softmax(-1), logits, sampling).sampled_token_ids.shape == (2, 3)
+    assert not deferred
+    ours.synthetic_mode = True
+    assert ours(metadata, None, logits, sampling) == "stock" and len(deferred) == 1
+
+
+def test_seeded_requests_replay_and_follow_the_law():
+    """A request with its own seed gets the same tokens again from the same seed (its stream is its
+    generator's, whatever else is in the batch), and seeded rows follow the target's law."""
+    ours = our_sampler()
+    vocab, batch, temperature = 6, 4000, 0.9
+    row_logits = torch.randn(vocab, generator=torch.Generator().manual_seed(3)) * 1.5
+    num_draft = [2] * batch
+    drafts = torch.randint(0, vocab, (2 * batch,), generator=torch.Generator().manual_seed(4)).tolist()
+
+    def run(seeds: dict[int, int], rows=batch):
+        metadata, logits, sampling = sampler_inputs(num_draft[:rows], drafts[: 2 * rows],
+                                                    row_logits.repeat(3 * rows, 1), [temperature] * rows)
+        sampling.generators = {b: torch.Generator().manual_seed(s) for b, s in seeds.items()}
+        return ours(metadata, None, logits, sampling).sampled_token_ids
+
+    seeds = {b: 1000 + b for b in range(0, batch, 2)}  # every other request seeded
+    first, again = run(seeds), run(seeds)
+    seeded = list(seeds)
+    assert torch.equal(first[seeded], again[seeded])
+    assert not torch.equal(first[1::2], again[1::2]), "unseeded requests draw fresh numbers"
+    alone = run({0: 1000}, rows=1)
+    assert torch.equal(alone[0], first[0]), "a seeded request's tokens do not depend on the batch"
+    p = torch.softmax(row_logits / temperature, -1).double()
+    counts = torch.bincount(first[seeded, 0].long(), minlength=vocab).double()
+    expected = p * len(seeded)
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < (vocab - 1) + 6 * math.sqrt(2 * (vocab - 1)), (chi2, counts, expected)
+
+
+def test_penalties_apply_to_the_draft_rows_as_vllm_applies_them():
+    """Greedy with a repetition penalty, each row counting the drafts before it (vLLM's rule): a
+    draft that is the raw argmax but not the penalized one is rejected for the penalized argmax."""
+    ours = our_sampler()
+    vocab = 9
+    row = torch.zeros(vocab)
+    row[4], row[6] = 3.0, 2.5  # 4 wins unpenalized; the prompt holds 4: penalty 2 makes it 1.5 < 2.5
+    # After a drafted 6, both are penalized (1.5 against 1.25): 4 wins again.
+    for drafts, expected in ([4, 4], [6, -1, -1]), ([6, 6], [6, 4, -1]), ([6, 4], [6, 4, 4]):
+        metadata, logits, sampling = sampler_inputs([2], drafts, row.repeat(3, 1), [0.0])
+        sampling.no_penalties = False
+        sampling.prompt_token_ids = torch.tensor([[4]])
+        sampling.repetition_penalties = torch.tensor([2.0])
+        assert ours(metadata, None, logits, sampling).sampled_token_ids[0].tolist() == expected
 
 
 # ---- the engine, with and without the plugin ------------------------------------------------------
@@ -250,3 +300,26 @@ def test_the_real_pair_decodes_the_same_with_and_without_the_plugin(tmp_path):
     theirs = [n / stock["drafts"] for n in stock["per_position"]]
     assert max(abs(a - b) for a, b in zip(theirs, spec.acceptance_rate_per_position)) < 0.15, (
         theirs, spec.acceptance_rate_per_position)
+
+
+def test_sampled_requests_accept_drafts_with_the_plugin_as_in_qspec_ext(tmp_path):
+    """SmolLM2 and its shipped drafter at temperature 1.0, a batch mixing seeded requests, logprobs
+    and repetition penalties: with the plugin every request is verified by qspec_ext (nothing falls
+    back to vLLM's CPU route, whose temperatures are uninitialized: benchmarks/vllm_cpu_sampling.py)
+    and the acceptance is qspec_ext's own decoder's on the same prompts, within sampling noise."""
+    from qspec_ext import SpeculativeDecoder, load_pair
+    from qspec_ext.prompts import heldout_prompts
+    from qspec_ext.shipped import drafter_dir, target_dir
+    from qspec_ext.text import chat_ids
+
+    target, draft = target_dir("smollm2"), drafter_dir("smollm2")
+    prompts = [chat_ids(target, [{"role": "user", "content": r["prompt"]}]) for r in heldout_prompts()[::5][:16]]
+    options = [dict(seed=100 + i) if i % 3 == 0 else dict(logprobs=2) if i % 3 == 1 else {} for i in range(16)]
+    ours = run_vllm(target, draft, tmp_path, prompts, 48, K, temperature=1.0, per_request=options)
+    assert ours["calls"].get("rejection_sampler", 0) > 0
+    assert not {n for n in ours["calls"] if n.startswith("rejection_sampler_deferred:")} - {
+        "rejection_sampler_deferred:no_drafts"}, ours["calls"]
+    vllm_length = 1 + sum(ours["per_position"]) / ours["drafts"]
+    own = SpeculativeDecoder(*load_pair(target, draft), K).generate(prompts, 48, temperature=1.0, seed=1).stats
+    assert vllm_length >= 1.3, vllm_length
+    assert abs(vllm_length - own.mean_acceptance_length) < 0.15, (vllm_length, own.mean_acceptance_length)

@@ -56,7 +56,7 @@ class LookupDrafting(ChainDrafting):
     kind = "lookup"
     needs_context = True
 
-    def __init__(self, drafter, k: int, ngram: tuple[int, ...] = (4, 3, 2), check_bounds: bool = True):
+    def __init__(self, drafter, k: int, ngram: tuple[int, ...] = (6, 5, 4), check_bounds: bool = True):
         if drafter.config.parallel_drafting:
             raise ValueError("LookupDrafting: prompt lookup falls back to a chain EAGLE-3 drafter; got a P-EAGLE "
                              "(parallel) drafter")
@@ -87,7 +87,7 @@ class LookupTreeDrafting(TreeDrafting):
     needs_context = True
 
     def __init__(self, target, drafter, depth: int, topk: int, num_draft_tokens: int | None = None,
-                 lookup_tokens: int | None = None, ngram: tuple[int, ...] = (4, 3, 2), check_bounds: bool = True):
+                 lookup_tokens: int | None = None, ngram: tuple[int, ...] = (6, 5, 4), check_bounds: bool = True):
         super().__init__(target, drafter, depth, topk, num_draft_tokens, check_bounds)
         self.lookup_tokens = check_int("LookupTreeDrafting", "lookup_tokens", lookup_tokens or depth, 1, 32)
         self.ngram = tuple(ngram)

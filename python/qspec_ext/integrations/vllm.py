@@ -13,10 +13,12 @@ list of seam names, or ``all``). The seams:
 - ``aux_gather``: the EAGLE-3 drafters' ``combine_hidden_states`` on ``gather_aux_hidden`` where a
   norm comes before ``fc`` (``norm_before_fc`` or ``fc_norm``; without one there is nothing to fuse);
 - ``rejection_sampler``: verification on ``verify_greedy`` / ``verify_sampling`` (ragged drafts,
-  greedy and random rows; temperature, top-k and top-p applied as vLLM applies them). It defers to
-  vLLM's own sampler for what it does not implement: logprobs, penalties, bad words, allowed-token
-  masks, active logits processors (min-p, logit bias, min tokens), per-request seeds, draft
-  probabilities, synthetic acceptance.
+  greedy and random rows, draft probabilities where the proposer gives them; temperature, top-k and
+  top-p applied as vLLM applies them) for every request vLLM's own sampler takes: the draft rows get
+  vLLM's logits processors first (penalties, bad words, allowed tokens, min tokens), the bonus token
+  and logprobs come from vLLM's own code, a request with its own seed verifies on a stream drawn from
+  its generator. Only synthetic acceptance and drafts past 32 go to vLLM's sampler. (vLLM 0.32's CPU
+  route divides the draft rows by uninitialized temperatures: see benchmarks/vllm_cpu_sampling.py.)
 
 CUDA tensors: no seam takes them unless ``QSPEC_VLLM_CUDA`` says so (``1`` or ``all``: every
 installed seam; or a comma list of seam names): the CUDA kernels have not been measured inside
@@ -350,12 +352,20 @@ def _inactive(processor) -> bool:
 
 def _install_rejection_sampler() -> None:
     import vllm.v1.worker.gpu_model_runner as runner
+    from dataclasses import replace
+
     from vllm.v1.outputs import SamplerOutput
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
     from vllm.v1.sample.rejection_sampler import RejectionSampler
 
-
     class QspecRejectionSampler(RejectionSampler):
+        """vLLM's RejectionSampler with the verification itself on qspec_ext's ops. What vLLM does
+        around it stays vLLM's: the bonus token comes from vLLM's own sampler (its per-request
+        generators, penalties, processors, logprobs), the draft rows get vLLM's logits processors
+        (penalties, bad words, allowed tokens, min tokens, thinking budgets) before qspec_ext applies
+        temperature, top-k and top-p, and logprobs are gathered by vLLM's helper. Per-request seeds:
+        each such request draws its verification seed from its own generator."""
+
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.seed = torch.initial_seed() % 2**62  # the engine's seed, read without drawing from its generator
@@ -363,16 +373,9 @@ def _install_rejection_sampler() -> None:
 
         def deferral(self, metadata, draft_probs, sampling) -> str | None:
             """Why vLLM's own sampler must verify this batch (None: ours does)."""
-            holder = sampling.thinking_budget_state_holder
             reasons = {
-                "draft_probs": draft_probs is not None, "synthetic": self.synthetic_mode,
-                "logprobs": sampling.max_num_logprobs is not None, "penalties": not sampling.no_penalties,
-                "bad_words": bool(sampling.bad_words_token_ids),
-                "allowed_token_ids": sampling.allowed_token_ids_mask is not None,
-                "seeded_requests": bool(sampling.generators),
-                "thinking_budget": holder is not None and holder.has_tracked_requests(),
-                "logits_processors": not all(_inactive(p) for p in sampling.logitsprocs.all),
-                "no_drafts": metadata.max_spec_len == 0, "long_drafts": metadata.max_spec_len > MAX_DRAFT_TOKENS,
+                "synthetic": self.synthetic_mode, "no_drafts": metadata.max_spec_len == 0,
+                "long_drafts": metadata.max_spec_len > MAX_DRAFT_TOKENS,
                 "device": not _our_device(metadata.draft_token_ids, "rejection_sampler"),
             }
             return next((name for name, applies in reasons.items() if applies), None)
@@ -384,33 +387,63 @@ def _install_rejection_sampler() -> None:
                 CALLS[f"rejection_sampler_deferred:{reason}"] += 1
                 return super().forward(metadata, draft_probs, logits, sampling_metadata)
             _took("rejection_sampler")
-            device = logits.device
+            sampling = sampling_metadata
+            bonus = self.sampler(logits=logits[metadata.bonus_logits_indices],
+                                 sampling_metadata=replace(sampling, max_num_logprobs=-1), predict_bonus_token=True,
+                                 logprobs_mode_override="processed_logits" if self.is_processed_logprobs_mode
+                                 else "raw_logits")
+            raw = logits[metadata.target_logits_indices].float()
+            processed = self.apply_logits_processors(raw if self.is_processed_logprobs_mode else raw.clone(),
+                                                     sampling, metadata)
+            out, processed = self._verify(metadata, draft_probs, processed, sampling, bonus.sampled_token_ids)
+            logprobs = None
+            if sampling.max_num_logprobs is not None:
+                logprobs = self._get_logprobs_tensors(sampling.max_num_logprobs, metadata, logits,
+                                                      processed if self.is_processed_logprobs_mode else raw,
+                                                      bonus.logprobs_tensors.logprobs, out)
+            return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs)
+
+        def _verify(self, metadata, draft_probs, target, sampling, bonus_ids):
+            """(out_ids [B, K + 1] int32, the draft rows as sampled from) from the processed target
+            rows ``[num_drafts, V]``; a request that accepts every draft gets vLLM's bonus token."""
+            device = target.device
             batch, k = len(metadata.num_draft_tokens), metadata.max_spec_len
             ends = metadata.cu_num_draft_tokens.long()  # on the device already: no host-to-device copy
             first = torch.cat([ends.new_zeros(1), ends[:-1]])  # each request's first draft
             num_draft = ends - first
             step = torch.arange(k + 1, device=device)
-            # Request b's logits rows: its drafts' rows, then its bonus row (repeated as padding).
-            rows = first[:, None] + torch.arange(batch, device=device)[:, None] + torch.minimum(step, num_draft[:, None])
             last = metadata.draft_token_ids.shape[0] - 1
-            drafts = metadata.draft_token_ids.long()[(first[:, None] + step[:k]).clamp(max=last)]
-            drafts = torch.where(step[:k] < num_draft[:, None], drafts, 0)
-            target = logits[rows.flatten()].float()
-            if sampling_metadata.all_greedy:
-                out, _ = ops.verify_greedy(drafts, target.view(batch, k + 1, -1), num_draft)
+            rows = (first[:, None] + step[:k]).clamp(max=last)  # request b's draft rows (repeated as padding)
+            drafts = torch.where(step[:k] < num_draft[:, None], metadata.draft_token_ids.long()[rows], 0)
+            # The bonus row is vLLM's own sample: a placeholder row here, its draw replaced below.
+            grid = torch.cat([target[rows], target[rows[:, -1:]]], dim=1)
+            if sampling.all_greedy:
+                out, accepted = ops.verify_greedy(drafts, grid, num_draft)
             else:
-                temperature = sampling_metadata.temperature.float()
+                temperature = sampling.temperature.float()
                 greedy = temperature < 1e-5
+                scaled = grid / torch.where(greedy, 1.0, temperature)[:, None, None]
                 top_k, top_p = (None if x is None else x.repeat_interleave(k + 1)
-                                for x in (sampling_metadata.top_k, sampling_metadata.top_p))
-                target = target / torch.where(greedy, 1.0, temperature).repeat_interleave(k + 1)[:, None]
-                target = apply_top_k_top_p(target, top_k, top_p)  # as vLLM processes its target rows
+                                for x in (sampling.top_k, sampling.top_p))
+                scaled = apply_top_k_top_p(scaled.view(batch * (k + 1), -1), top_k, top_p).view_as(grid)
+                valid = step[:k] < num_draft[:, None]
+                target = target.clone()  # the rows as sampled from (vLLM's processed logprobs), in its layout
+                target[rows[valid]] = scaled[:, :k][valid]
                 seed = torch.full((batch,), self.seed, dtype=torch.long, device=device)
                 offset = self.draws + (k + 1) * torch.arange(batch, dtype=torch.long, device=device)
                 self.draws += batch * (k + 1)
-                out, _ = ops.verify_sampling(drafts, None, target.view(batch, k + 1, -1),
-                                             torch.where(greedy, 0.0, 1.0), seed, offset, None, num_draft)
-            return SamplerOutput(sampled_token_ids=out.to(torch.int32), logprobs_tensors=None)
+                for b, generator in sampling.generators.items():  # seeded requests: their own streams
+                    seed[b] = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
+                    offset[b] = 0
+                probs = None
+                if draft_probs is not None:
+                    probs = draft_probs[rows].float()
+                out, accepted = ops.verify_sampling(drafts, probs, scaled, torch.where(greedy, 0.0, 1.0), seed, offset,
+                                                    None, num_draft)
+            all_accepted = accepted == num_draft
+            out = out.scatter(1, num_draft[:, None], torch.where(all_accepted[:, None], bonus_ids.view(-1, 1).to(out.dtype),
+                                                                 out.gather(1, num_draft[:, None])))
+            return out.to(torch.int32), target
 
     runner.RejectionSampler = QspecRejectionSampler
 
