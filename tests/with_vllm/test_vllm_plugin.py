@@ -69,6 +69,8 @@ print("SEAMS", plugin.installed_seams())
 
 def test_register_says_cuda_tensors_keep_vllms_kernels():
     script = """
+import logging
+logging.basicConfig(level=logging.INFO)  # a bare script: vLLM's INFO lines are shown as in a server
 from importlib.metadata import entry_points
 (entry,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "qspec_ext"]
 entry.load()()
