@@ -127,8 +127,8 @@ def speed(args) -> list[dict]:
                     p, args.max_new_tokens, eos_token_id=stops))
             if args.adaptive and drafting in ("chain", "parallel"):
                 for mode in args.modes:  # one decoder per mode: what it measures carries across rounds and batches
-                    decoder = SpeculativeDecoder(target, drafter, 5, compile=mode == "compiled", adaptive=True)
-                    configs[f"{drafting} k=auto {dtype} {mode}"] = (dtype, mode == "compiled", lambda p, d=decoder: (
+                    adaptive = SpeculativeDecoder(target, drafter, 5, compile=mode == "compiled", adaptive=True)
+                    configs[f"{drafting} k=auto {dtype} {mode}"] = (dtype, mode == "compiled", lambda p, d=adaptive: (
                         d.generate(p, args.max_new_tokens, eos_token_id=stops)))
     last = list(configs)[-1]
     rows = []
