@@ -435,7 +435,10 @@ def test_demo_quick(capsys):
     assert run_demo(pair="tiny", quick=True) == 0
     out = capsys.readouterr().out
     assert "greedy speculative output identical to plain decoding: yes" in out
-    assert "accept len" in out
+    assert "accept len" in out and "chain, adaptive k (0..5 per step)" in out and "steps by draft length: " in out
+    assert "parallel: accept len" not in out, "P-EAGLE only when asked for"
+    assert run_demo(pair="tiny", quick=True, parallel=True) == 0
+    assert "parallel: accept len" in capsys.readouterr().out
 
 
 def killed_at_step_5(monkeypatch):

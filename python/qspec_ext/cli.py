@@ -369,7 +369,8 @@ def cmd_demo(args) -> int:
     from .demo import run_demo
 
     return run_demo(pair=args.pair, quick=args.quick, device=args.device, max_new_tokens=args.max_new_tokens,
-                    ks=args.k, compile=args.compile, rounds=args.rounds, repetition_penalty=args.repetition_penalty)
+                    ks=args.k, compile=args.compile, rounds=args.rounds, repetition_penalty=args.repetition_penalty,
+                    parallel=args.parallel)
 
 
 def cmd_train_drafter(args) -> int:
@@ -426,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("-k", type=int, nargs="+", default=None, help="draft lengths (default 1..5)")
     demo.add_argument("--device", default="cpu")
     demo.add_argument("--compile", action="store_true", help="compiled static-shape decode steps")
+    demo.add_argument("--parallel", action="store_true",
+                      help="also the pair's P-EAGLE drafter (slower than the chain drafter wherever measured)")
     demo.add_argument("--rounds", type=int, default=None,
                       help="interleaved timing rounds, medians reported (default 3; 1 with --quick)")
     demo.add_argument("--repetition-penalty", type=float, default=None,

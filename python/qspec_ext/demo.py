@@ -86,11 +86,11 @@ def demo_requests(pair: str, count: int) -> tuple[list[str], list[list[int]], li
 
 def run_demo(pair: str = "smollm2", quick: bool = False, device: str = "cpu", max_new_tokens: int | None = None,
              ks: list[int] | None = None, compile: bool = False, rounds: int | None = None,
-             repetition_penalty: float | None = None) -> int:
-    """Loads a named pair (target, chain drafter, P-EAGLE drafter where one is shipped), decodes
+             repetition_penalty: float | None = None, parallel: bool = False) -> int:
+    """Loads a named pair (target, chain drafter; with ``parallel`` its P-EAGLE drafter too), decodes
     its demo requests one at a time with and without speculation, checks the greedy outputs are
-    identical, prints the text and chain and parallel drafting side by side: acceptance and speed
-    by k, each configuration timed in ``rounds`` interleaved rounds (plain, then every
+    identical, prints the text, then acceptance and speed by k for each drafting kind and for the
+    adaptive chain (k chosen per step), each configuration timed in ``rounds`` interleaved rounds (plain, then every
     configuration, again; default 3, 1 with ``quick``): the median tokens/s and the median of the
     rounds' speed-ups, so that one slow run does not decide a row. ``compile``: compiled decode
     steps, each configuration timed after an untimed run that compiles it. ``repetition_penalty``
@@ -113,11 +113,12 @@ def run_demo(pair: str = "smollm2", quick: bool = False, device: str = "cpu", ma
         print(f"qspec demo: {error}")
         return 1
     drafters = {"chain": chain}
-    try:
-        drafters["parallel"] = Eagle3Drafter.from_pretrained(drafter_dir(pair, parallel=True), dtype=torch.float32,
-                                                             device=device, target=target)
-    except CheckpointError:
-        pass  # no P-EAGLE drafter shipped for this pair
+    if parallel:  # not by default: the shipped P-EAGLE drafters are slower than the chain wherever measured
+        try:
+            drafters["parallel"] = Eagle3Drafter.from_pretrained(drafter_dir(pair, parallel=True), dtype=torch.float32,
+                                                                 device=device, target=target)
+        except CheckpointError:
+            print(f"qspec demo: no P-EAGLE drafter shipped for {pair}")
     tokenizer = load_tokenizer(target_dir(pair))
     texts, prompts, stops = demo_requests(pair, 2 if quick else 4 if pair == "tiny" else 3)
     new_tokens = max_new_tokens or (24 if quick else 96 if pair == "tiny" else 160)
