@@ -561,7 +561,7 @@ MUTANTS = [
            "self.accepted[j] += 1.0 if n > j else 0.0", "self.accepted[j] += 1.0",
            (ADAPTIVE + "test_policy_acceptance_follows_what_was_accepted",)),
     Mutant("adaptive_never_probes", f"{PKG}/adaptive.py",
-           "if k == 0 and self.plain_streak >= self.probe_every:", "if False:",
+           "if k == 0 and self.plain_streak >= every:", "if False:",
            (ADAPTIVE + "test_policy_probes_a_draft_while_plain_steps_win",)),
     Mutant("lookup_takes_the_earliest_match", f"{PKG}/drafting/lookup.py",
            "latest = torch.where(usable, starts, -1).max(dim=1).values",
