@@ -546,7 +546,8 @@ MUTANTS = [
            (TR + "test_training_keeps_freed_memory_instead_of_faulting_it_in_again",)),
     # adaptive speculation, prompt lookup, transformers' generate, what users see
     Mutant("adaptive_waiting_pairs_dropped", DECODE, "            if self.waiting:\n                self._prefill_waiting()",
-           "            if self.waiting:\n                self.waiting = []", (ADAPTIVE + "test_adaptive_greedy_is_plain_decoding",)),
+           "            if self.waiting:\n                self.waiting = []",
+           (ADAPTIVE + "test_plain_steps_pairs_reach_the_drafter_before_it_drafts_again",)),
     Mutant("adaptive_plain_step_position_not_advanced", DECODE,
            "return token[:, None], torch.zeros_like(position), token, position + 1",
            "return token[:, None], torch.zeros_like(position), token, position",

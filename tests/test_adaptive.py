@@ -167,3 +167,22 @@ def test_adaptive_learns_a_cost_table_it_keeps_across_calls(hf_dir):
     assert all(decoder.policy.cost(1, k) > 0 for k in (0, 1, 2, 3))
     second = decoder.generate(PROMPTS[:1], 40)
     assert sum(second.stats.draft_lengths.values()) >= 40 / 4
+
+
+def test_plain_steps_pairs_reach_the_drafter_before_it_drafts_again():
+    """After plain steps, the drafter has read their pairs: the shipped tiny pair's drafts right
+    after plain steps are accepted as often as a fixed chain's (a drafter that missed them drafts
+    from a stale state)."""
+    from qspec_ext import load_pair
+    from qspec_ext.demo import demo_requests
+    from qspec_ext.shipped import drafter_dir
+
+    target, drafter = load_pair("tiny", drafter_dir("tiny"))
+    _, prompts, _ = demo_requests("tiny", 2)
+    fixed = SpeculativeDecoder(target, drafter, 3).generate(prompts, 60).stats
+    decoder = scripted_decoder(target, drafter, [0, 0, 3], max_k=3)
+    spec = decoder.generate(prompts, 60).stats
+    assert spec.draft_lengths[0] > spec.draft_lengths[3] > 5
+    assert fixed.mean_acceptance_length > 2.0
+    assert spec.mean_acceptance_length > 0.8 * fixed.mean_acceptance_length, (spec.mean_acceptance_length,
+                                                                               fixed.mean_acceptance_length)
