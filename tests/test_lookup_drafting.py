@@ -119,3 +119,30 @@ def test_lookup_tree_sampling_follows_the_target_distribution(tmp_path):
     spec = SpeculativeDecoder(target, drafter, 2, drafting=drafting).generate([prompt] * n, length, temperature=1.0,
                                                                              top_k=4, seed=12)
     assert law_pvalue(spec.tokens, law) > 1e-3
+
+
+def test_the_context_lookup_reads_is_each_requests_own_tokens(hf_dir):
+    """At every step, the tokens the loop hands a lookup strategy are the request's prompt and the
+    tokens it kept so far, by position (no rejected draft among them)."""
+    target = NativeTarget.from_pretrained(hf_dir, aux_layer_ids=AUX)
+    drafter = make_drafter()
+    seen = []
+
+    class Recording(LookupDrafting):
+        def propose(self, root, state, penalty=None, context=None):
+            seen.append((root.clone(), context.clone()))
+            return super().propose(root, state, penalty, context)
+
+    prompts = REPEATING[:3] + PROMPTS[:2]
+    result = SpeculativeDecoder(target, drafter, 4, drafting=Recording(drafter, 4, check_bounds=False)).generate(
+        prompts, 30)
+    full = [p + t for p, t in zip(prompts, result.tokens)]
+    assert len(seen) > 5
+    for root, context in seen[:1]:  # the whole batch is still running at the first step
+        for b in range(len(prompts)):
+            assert context[b, : int(root[b]) + 1].tolist() == full[b][: int(root[b]) + 1]
+    for root, context in seen:  # later steps: rows are requests still running, in some order
+        for b in range(context.shape[0]):
+            if int(root[b]) >= 0:
+                row = context[b, : int(root[b]) + 1].tolist()
+                assert any(row == f[: len(row)] for f in full), (b, row)
