@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .adaptive import DraftLengthPolicy, candidate_lengths
 from .arguments import check_float, check_int, check_pair, check_prompts, check_sampling
 from .compiled import bucketed, check_compilable, compiled_method, compiled_step, compiling
 from .drafting import Drafting, make_drafting
 from .drafting.tree import TreeDrafting
-from .adaptive import DraftLengthPolicy, candidate_lengths
 from .models.eagle3 import DraftState
 from .sampling import apply_repetition_penalty, apply_top_k_top_p
 
