@@ -426,9 +426,10 @@ def _install_rejection_sampler() -> None:
                 top_k, top_p = (None if x is None else x.repeat_interleave(k + 1)
                                 for x in (sampling.top_k, sampling.top_p))
                 scaled = apply_top_k_top_p(scaled.view(batch * (k + 1), -1), top_k, top_p).view_as(grid)
-                valid = step[:k] < num_draft[:, None]
-                target = target.clone()  # the rows as sampled from (vLLM's processed logprobs), in its layout
-                target[rows[valid]] = scaled[:, :k][valid]
+                if sampling.max_num_logprobs is not None and self.is_processed_logprobs_mode:
+                    valid = step[:k] < num_draft[:, None]
+                    target = target.clone()  # the rows as sampled from (vLLM's processed logprobs), in its layout
+                    target[rows[valid]] = scaled[:, :k][valid]
                 seed = torch.full((batch,), self.seed, dtype=torch.long, device=device)
                 offset = self.draws + (k + 1) * torch.arange(batch, dtype=torch.long, device=device)
                 self.draws += batch * (k + 1)
