@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one script to run on a lent GPU machine (offline; torch, nvcc, cmake, ninja,
 # pytest and compute-sanitizer preinstalled). Within GPU_CHECK_BUDGET seconds
-# (default 540) it runs the steps below in order; each has its own time limit, a step
+# (default 480) it runs the steps below in order; each has its own time limit, a step
 # that no longer fits is recorded as skipped, a failing one is recorded and the next
 # still runs. report.md (pass/fail per step, then the three rows furthest below the
 # measured copy bandwidth), report.json and every step's log land in OUT_DIR, rewritten
@@ -10,11 +10,13 @@
 #   ptxas             registers, stack, shared memory and spills per kernel (ptxas.txt); fails on a spill store
 #   build_info        the CUDA kernels are in, a GPU is visible, an error message formats
 #   tests             the CUDA cases of the test suite (CI runs the rest)
+#   decode            end-to-end decode of the shipped pair in bf16: plain vs speculative tokens/s
+#   table             benchmarks/gpu_table.py: verification one block per row vs split-V, attention
+#                     vs flash SDPA, compiled chain vs plain; printed last
 #   sanitizer_*       compute-sanitizer memcheck over the CUDA kernel tests; racecheck,
 #                     synccheck and initcheck over one small shape per kernel
 #   cuda_graphs       every op captured in a CUDA graph and replayed (also in the suite)
 #   bench_*           every kernel benchmark with --check (GB/s as a fraction of copy bandwidth)
-#   decode            end-to-end decode of the shipped pair in bf16: plain vs speculative tokens/s
 # The exit code is non-zero if any step failed. GPU_CHECK_LIMIT_SCALE=N multiplies every
 # step's time limit (dry runs on slower machines: PYTHON=<a venv's python> keeps the install there).
 #
@@ -29,7 +31,7 @@ if [ "${1:-}" = "--build-only" ]; then build_only=1; shift; fi
 out=$(mkdir -p "${1:?usage: gpu_check.sh [--build-only] OUT_DIR}" && cd "$1" && pwd)
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
-budget=${GPU_CHECK_BUDGET:-540}
+budget=${GPU_CHECK_BUDGET:-480}
 
 arch=${QSPEC_CUDA_ARCHS:-}
 if [ -z "$arch" ] && command -v nvidia-smi >/dev/null; then
@@ -182,7 +184,7 @@ run_step() {  # name, time limit in seconds, command...
 
 pytest=("$py" -m pytest -q -p no:cacheprovider -o addopts="")  # one process unless workers say so
 # One small shape per CUDA kernel (rms_norm, fused_add_rms_norm, eagle3_input_norm,
-# qk_norm_rope, gather_aux_hidden, verify row_stats + emit, tree token + walk, cached_attention,
+# qk_norm_rope, gather_aux_hidden, verify row_stats + emit (and split-V), tree token + walk, cached_attention,
 # silu_and_mul):
 # racecheck and synccheck
 # slow kernels down by orders of magnitude, memcheck's broad selection would not fit.
@@ -194,6 +196,7 @@ kernel_tests=(
   "tests/test_aux_gather.py::test_gather_aux_hidden[cuda-n3-H4096-N5-float16-fc_norm]"
   "tests/test_verify.py::test_greedy_matches_reference[cuda-5-3-1000-dtype2]"
   "tests/test_verify.py::test_sampling_matches_reference[cuda-dtype2-d2t]"
+  "tests/test_verify.py::test_sampling_cpu_equals_cuda[1000-dtype2-d2t-always]"
   "tests/test_verify_tree.py::test_sampling_matches_reference[cuda-24-3-5-dtype1]"
   "tests/test_attention.py::test_draft_trees_match_the_reference[cuda-6-dtype1]"
   "tests/test_activation.py::test_strided_rows[cuda]"
@@ -227,6 +230,15 @@ print('error messages: ok')"
 workers=()
 "$py" -c "import xdist" 2>/dev/null && workers=(-n 8)
 run_step tests 180 "${pytest[@]}" "${workers[@]}" tests -k "cuda and not test_compiled"
+# bf16: a mismatch with plain decoding is reported, not a failure (the verify forward rounds differently).
+# Eager vs compiled (CUDA graphs) decoding, and the drafter step / verify forward split.
+# +cudagraphs logs each CUDA-graph recording and why a graph records again ("static input data
+# pointer changed"): on the first GPU run the compiled speculative step ran about as fast as eager.
+run_step decode 180 env TORCH_LOGS=+cudagraphs "$py" benchmarks/bench_decode.py --device cuda --dtype bf16 --modes eager compiled --repeat 1 \
+  --json "$out/decode.json"
+# The one table: each kernel old vs new (% of copy bandwidth, identical outputs), attention
+# against flash SDPA, compiled chain vs compiled plain (from the decode step's JSON).
+run_step table 90 "$py" benchmarks/gpu_table.py --decode-json "$out/decode.json" --json "$out/table.json"
 run_step sanitizer_memcheck 120 "${sanitize[@]}" memcheck \
   "${pytest[@]}" tests -k "cuda and not out_of_range and not compile and not opcheck and not distribution and not long_contexts"
 for tool in racecheck synccheck initcheck; do
@@ -247,11 +259,6 @@ for name in bench_norm_rope bench_aux_gather bench_verify bench_attention; do
   # torch.compile baselines would spend minutes compiling every shape: CPU runs report them.
   run_step "$name" 60 "$py" "benchmarks/$name.py" --check --min-time 0.1 --no-compile --json "$out/$name.json"
 done
-# bf16: a mismatch with plain decoding is reported, not a failure (the verify forward rounds differently).
-# Eager vs compiled (CUDA graphs) decoding, and the drafter step / verify forward split.
-# +cudagraphs logs each CUDA-graph recording and why a graph records again ("static input data
-# pointer changed"): on the first GPU run the compiled speculative step ran about as fast as eager.
-run_step decode 180 env TORCH_LOGS=+cudagraphs "$py" benchmarks/bench_decode.py --device cuda --dtype bf16 --modes eager compiled --repeat 1 \
-  --json "$out/decode.json"
 sed -n '1,/^## /p' "$out/report.md" | sed '$d'
+sed -n '/^qspec_ext GPU table/,$p' "$out/table.log"
 exit $status

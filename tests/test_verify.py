@@ -132,12 +132,27 @@ def test_sampling_matches_reference(device, q_kind, dtype):
     assert torch.equal(accepted.cpu(), expected[1])
 
 
+@pytest.mark.parametrize("q_kind", ["full", "d2t"])
+def test_sampling_across_vocab_splits_matches_reference(device, q_kind):
+    """Rows longer than one split (verify.h's kVerifySplitIds = 8192 ids): each softmax partial is
+    summed split by split, and the decisions are still the reference's."""
+    case = sampling_case(12, 3, 3 * 8192 + 77, torch.float32, q_kind, seed=13, draft_vocab=5000)
+    case["target_logits"] = case["target_logits"] * 0.25  # flat rows: many terms count in every split
+    case["temperature"] = torch.tensor([0.0, 0.6, 1.0] * 4)
+    expected = ref.verify_sampling(**case)
+    out, accepted = qspec_ext.verify_sampling(**to_device(case, device))
+    assert torch.equal(out.cpu(), expected[0]) and torch.equal(accepted.cpu(), expected[1])
+
+
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs a CUDA device")
+@pytest.mark.parametrize("split", ["0", "always"])
 @pytest.mark.parametrize("q_kind", ["onehot", "full", "d2t"])
 @pytest.mark.parametrize("vocab,dtype", [(32000, torch.bfloat16), (151936, torch.float32), (1000, torch.float16), (77, torch.float32)])
-def test_sampling_cpu_equals_cuda(q_kind, vocab, dtype):
+def test_sampling_cpu_equals_cuda(q_kind, vocab, dtype, split, monkeypatch):
     """CPU and CUDA share the per-element math and the summation order: every decision and
-    every draw is the same, token for token."""
+    every draw is the same, token for token, with one block per row and with split-V
+    (QSPEC_VERIFY_SPLIT=always)."""
+    monkeypatch.setenv("QSPEC_VERIFY_SPLIT", split)
     case = sampling_case(64, 7, vocab, dtype, q_kind, seed=11, draft_vocab=min(4000, vocab // 2))
     cpu = qspec_ext.verify_sampling(**case)
     gpu = qspec_ext.verify_sampling(**to_device(case, "cuda"))
@@ -145,6 +160,14 @@ def test_sampling_cpu_equals_cuda(q_kind, vocab, dtype):
     g_cpu = qspec_ext.verify_greedy(case["draft_ids"], case["target_logits"], case["num_draft"])
     g_gpu = qspec_ext.verify_greedy(*(case[k].cuda() for k in ("draft_ids", "target_logits", "num_draft")))
     assert torch.equal(g_cpu[0], g_gpu[0].cpu())
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs a CUDA device")
+def test_split_setting_is_checked(monkeypatch):
+    monkeypatch.setenv("QSPEC_VERIFY_SPLIT", "yes")
+    case = to_device(sampling_case(2, 3, 500, torch.float32, "full", seed=1), "cuda")
+    with pytest.raises(RuntimeError, match="QSPEC_VERIFY_SPLIT.*must be 0, 1 or always, got 'yes'"):
+        qspec_ext.verify_sampling(**case)
 
 
 def test_sampling_replays_and_depends_on_offset(device):

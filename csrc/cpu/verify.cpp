@@ -111,13 +111,19 @@ QSPEC_INLINE VerifyRowStats row_stats_impl(const T* __restrict__ logits, int64_t
   r.softmax = SoftmaxStats{-INFINITY, 0.f};
   if (temperature > 0.f && !nan && is_finite(max)) {  // no distribution otherwise
     const float max_x = max / temperature;
+    // split_partial_sum's order, 256 partials at a time (vectorized over j).
     float partial[kVerifyThreads] = {};
-    int64_t base = 0;
-    for (; base + kVerifyThreads <= vocab; base += kVerifyThreads)
-      for (int j = 0; j < kVerifyThreads; ++j)
-        partial[j] += exp_nonpositive(static_cast<float>(logits[base + j]) / temperature - max_x);
-    for (int j = 0; base + j < vocab; ++j)
-      partial[j] += exp_nonpositive(static_cast<float>(logits[base + j]) / temperature - max_x);
+    for (int64_t split = 0; split < vocab; split += kVerifySplitIds) {
+      const int64_t split_end = std::min(vocab, split + kVerifySplitIds);
+      float sum[kVerifyThreads] = {};
+      int64_t base = split;
+      for (; base + kVerifyThreads <= split_end; base += kVerifyThreads)
+        for (int j = 0; j < kVerifyThreads; ++j)
+          sum[j] += exp_nonpositive(static_cast<float>(logits[base + j]) / temperature - max_x);
+      for (int j = 0; base + j < split_end; ++j)
+        sum[j] += exp_nonpositive(static_cast<float>(logits[base + j]) / temperature - max_x);
+      for (int j = 0; j < kVerifyThreads; ++j) partial[j] += sum[j];
+    }
     r.softmax = SoftmaxStats{max_x, combine_partials(partial)};
   }
   return r;

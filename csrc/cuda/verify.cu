@@ -9,21 +9,18 @@
 //     at a time. With d2t, q at a target id is found by a cursor into the (increasing)
 //     draft vocabulary: no [B, V] workspace.
 //
-// Small batches (design, to be validated on a GPU before it replaces step 1): at B = 1,
-// K = 3 step 1 launches 4 blocks on an H200's 132 SMs, so one logits row (600 KB at
-// V = 151936) is read by one SM. The split-V variant gives each row S blocks (S chosen so
-// B * (K+1) * S fills the SMs about twice, and each split a multiple of 256 * 32 ids):
-//  - pass A, per (row, split): the argmax of the split and, after a grid-wide ordering
-//    (a second kernel, or a per-row arrival counter), the split's 256 softmax partials
-//    laid out as in the unsplit kernel: split s owns the strided partials' terms with
-//    v in its range, so each of the 256 partials is a sum over splits in split order;
-//  - combine, per row: partial j = sum over s of split_partial[s][j] in order, then the
-//    butterfly + warp order of combine_partials. The CPU adds each partial's terms in the
-//    same split-then-stride order (the terms of partial j are grouped by split before
-//    they are added), so CPU == CUDA holds bit for bit.
-//  - the draw's chunk sums get the same treatment (chunks of a split summed by its block).
-// bench_verify.py's B = 1 / 8, K = 3 / 7, V = 151936 rows show the gap this closes (% of
-// copy bandwidth on a GPU).
+// Small batches: at B = 1, K = 3 step 1 launches 4 blocks on an H100's 132 SMs, so one logits
+// row (600 KB at V = 151936) is read by one SM. The split-V variant (split_*_kernel, opt-in
+// with QSPEC_VERIFY_SPLIT until a GPU run shows it faster) gives each row one block per
+// kVerifySplitIds ids (19 at V = 151936): the splits' argmaxes, then the splits' softmax
+// partials, then one block per row combines them in split order (verify.h's
+// split_partial_sum), so its statistics are those of row_stats_kernel and of the CPU, bit for
+// bit. bench_verify.py's B = 1 / 8, K = 3 / 7, V = 151936 rows measure both (% of copy
+// bandwidth; benchmarks/gpu_check.sh).
+
+#include <cstdlib>
+#include <limits>
+#include <string_view>
 
 #include "checks.h"
 #include "common.cuh"
@@ -58,12 +55,13 @@ __device__ __forceinline__ void warp_argmax(ArgMax& a) {
   }
 }
 
-// The argmax of a row (torch.argmax semantics), returned to every thread.
+// The argmax (torch.argmax semantics), returned to every thread.
+// Over ids [begin, end); `none` (>= end) is the index while no value has been seen.
 template <typename T>
-__device__ ArgMax block_argmax(const T* logits, int64_t vocab) {
+__device__ ArgMax block_argmax(const T* logits, int64_t begin, int64_t end, int64_t none) {
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-  ArgMax best{-INFINITY, vocab};
-  for (int64_t v = threadIdx.x; v < vocab; v += kThreads) argmax_update(best, static_cast<float>(logits[v]), v);
+  ArgMax best{-INFINITY, none};
+  for (int64_t v = begin + threadIdx.x; v < end; v += kThreads) argmax_update(best, static_cast<float>(logits[v]), v);
   warp_argmax(best);
   __shared__ ArgMax warp_best[kWarps];
   __shared__ ArgMax row_best;
@@ -77,13 +75,9 @@ __device__ ArgMax block_argmax(const T* logits, int64_t vocab) {
   return row_best;
 }
 
-// The softmax sum of logits / temperature at max_x, in the shared order; valid in thread 0.
-template <typename T>
-__device__ float block_softmax_sum(const T* logits, int64_t vocab, float temperature, float max_x) {
+// The 256 partials of a row (one per thread) in combine_partials' order; valid in thread 0.
+__device__ float combine_block(float sum) {
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-  float sum = 0.f;
-  for (int64_t v = threadIdx.x; v < vocab; v += kThreads)
-    sum = add_rn(sum, exp_nonpositive(static_cast<float>(logits[v]) / temperature - max_x));
   sum = warp_sum(sum);
   __shared__ float warp_sums[kWarps];
   if (lane == 0) warp_sums[warp] = sum;
@@ -92,6 +86,14 @@ __device__ float block_softmax_sum(const T* logits, int64_t vocab, float tempera
   if (threadIdx.x == 0)
     for (int w = 1; w < kWarps; ++w) total = add_rn(total, warp_sums[w]);
   return total;
+}
+
+// The softmax sum of logits / temperature at max_x, in the shared order; valid in thread 0.
+template <typename T>
+__device__ float block_softmax_sum(const T* logits, int64_t vocab, float temperature, float max_x) {
+  return combine_block(split_partial_sum(0, vocab, threadIdx.x, [&](int64_t v) {
+    return exp_nonpositive(static_cast<float>(logits[v]) / temperature - max_x);
+  }));
 }
 
 // One inverse-CDF draw at uniform u over the weights weight(v, cursor) of ids [0, vocab), in
@@ -183,54 +185,142 @@ __device__ void check_d2t(const VerifyParams<T>& p) {
   }
 }
 
-template <typename T>
-__global__ void __launch_bounds__(kThreads) row_stats_kernel(const VerifyParams<T> p) {
-  const int rows_per_request = p.num_draft_max + 1;
-  const int64_t b = blockIdx.x / rows_per_request;
-  const int i = static_cast<int>(blockIdx.x % rows_per_request);
-  if (blockIdx.x == 0 && p.d2t != nullptr) check_d2t(p);
-  const int64_t n = num_draft_of(p, b);
-  if (threadIdx.x == 0)
-    QSPEC_DEVICE_CHECK(n >= 0 && n <= p.num_draft_max, "verify: num_draft[%lld] = %lld outside [0, %d]",
-                       (long long)b, (long long)n, p.num_draft_max);
-  if (n < 0 || n > p.num_draft_max || i > n) return;
-  const float temperature = p.temperature == nullptr ? 0.f : p.temperature[b];
-  if (threadIdx.x == 0)
-    QSPEC_DEVICE_CHECK(temperature >= 0.f && temperature < INFINITY,
-                       "verify_sampling: temperature[%lld] = %f is not a finite value >= 0", (long long)b,
-                       temperature);
-  if (!(temperature >= 0.f && temperature < INFINITY)) return;
-  const int64_t x = i < n ? p.draft_ids[b * p.draft_stride + i * p.draft_col_stride] : 0;
-  if (threadIdx.x == 0)
-    QSPEC_DEVICE_CHECK(x >= 0 && x < p.vocab, "verify: draft_ids[%lld, %d] = %lld outside [0, vocab=%lld)",
-                       (long long)b, i, (long long)x, (long long)p.vocab);
-  if (x < 0 || x >= p.vocab) return;
-  const T* logits = p.logits + b * p.logits_stride_b + i * p.logits_stride_i;
+// What a target row (b, i) needs: its request's draft count, temperature and draft id,
+// checked (reported by thread 0 when `report`; invalid rows compute nothing).
+struct RowJob {
+  int64_t b;
+  int i;
+  int64_t n;
+  float temperature;
+  int64_t x;  // the draft id at row i (0 for the bonus row)
+  bool valid;
+};
 
-  // Pass 1: the argmax (torch.argmax semantics; the order does not matter).
-  VerifyRowStats r{};
-  r.argmax = block_argmax(logits, p.vocab);
-  r.softmax = SoftmaxStats{-INFINITY, 0.f};
-  // Pass 2 (sampling rows with a finite max): the softmax sum in the shared order.
-  const float row_max = r.argmax.value;  // NaN if the row has one
-  if (temperature > 0.f && is_finite(row_max)) {  // block-uniform; no distribution otherwise
-    const float max_x = row_max / temperature;
-    r.softmax = SoftmaxStats{max_x, block_softmax_sum(logits, p.vocab, temperature, max_x)};
-  }
+template <typename T>
+__device__ RowJob row_job(const VerifyParams<T>& p, int64_t row, bool report) {
+  const int rows_per_request = p.num_draft_max + 1;
+  RowJob job{row / rows_per_request, static_cast<int>(row % rows_per_request), 0, 0.f, 0, false};
+  job.n = num_draft_of(p, job.b);
+  if (report && threadIdx.x == 0)
+    QSPEC_DEVICE_CHECK(job.n >= 0 && job.n <= p.num_draft_max, "verify: num_draft[%lld] = %lld outside [0, %d]",
+                       (long long)job.b, (long long)job.n, p.num_draft_max);
+  if (job.n < 0 || job.n > p.num_draft_max || job.i > job.n) return job;
+  job.temperature = p.temperature == nullptr ? 0.f : p.temperature[job.b];
+  if (report && threadIdx.x == 0)
+    QSPEC_DEVICE_CHECK(job.temperature >= 0.f && job.temperature < INFINITY,
+                       "verify_sampling: temperature[%lld] = %f is not a finite value >= 0", (long long)job.b,
+                       job.temperature);
+  if (!(job.temperature >= 0.f && job.temperature < INFINITY)) return job;
+  job.x = job.i < job.n ? p.draft_ids[job.b * p.draft_stride + job.i * p.draft_col_stride] : 0;
+  if (report && threadIdx.x == 0)
+    QSPEC_DEVICE_CHECK(job.x >= 0 && job.x < p.vocab, "verify: draft_ids[%lld, %d] = %lld outside [0, vocab=%lld)",
+                       (long long)job.b, job.i, (long long)job.x, (long long)p.vocab);
+  job.valid = job.x >= 0 && job.x < p.vocab;
+  return job;
+}
+
+template <typename T>
+__device__ __forceinline__ const T* row_logits(const VerifyParams<T>& p, const RowJob& job) {
+  return p.logits + job.b * p.logits_stride_b + job.i * p.logits_stride_i;
+}
+
+// Thread 0 writes the row's statistics, with p and q of its draft token.
+template <typename T>
+__device__ void finish_row(const VerifyParams<T>& p, int64_t row, const RowJob& job, ArgMax argmax,
+                           SoftmaxStats softmax) {
   if (threadIdx.x != 0) return;
-  if (i < n && temperature > 0.f) {
-    r.draft_logit = static_cast<float>(logits[x]) / temperature;
-    const int64_t prob_row = b * p.probs_stride_b + i * p.probs_stride_i;
+  VerifyRowStats r{};
+  r.argmax = argmax;
+  r.softmax = softmax;
+  if (job.i < job.n && job.temperature > 0.f) {
+    r.draft_logit = static_cast<float>(row_logits(p, job)[job.x]) / job.temperature;
+    const int64_t prob_row = job.b * p.probs_stride_b + job.i * p.probs_stride_i;
     if (p.draft_probs == nullptr) {
       r.draft_q = 1.f;
     } else if (p.d2t == nullptr) {
-      r.draft_q = load_mixed<T>(p.draft_probs, p.probs_f32, prob_row + x);
+      r.draft_q = load_mixed<T>(p.draft_probs, p.probs_f32, prob_row + job.x);
     } else {
-      const int64_t d = draft_index_of(p.d2t, p.d2t_i64, p.draft_vocab, x);
+      const int64_t d = draft_index_of(p.d2t, p.d2t_i64, p.draft_vocab, job.x);
       r.draft_q = d >= 0 ? load_mixed<T>(p.draft_probs, p.probs_f32, prob_row + d) : 0.f;
     }
   }
-  p.rows[blockIdx.x] = r;
+  p.rows[row] = r;
+}
+
+// One block per target row: the argmax in one coalesced pass, then (sampling rows with a
+// finite max) the softmax sum in a second pass over the row, in the shared order.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) row_stats_kernel(const VerifyParams<T> p) {
+  if (blockIdx.x == 0 && p.d2t != nullptr) check_d2t(p);
+  const RowJob job = row_job(p, blockIdx.x, true);
+  if (!job.valid) return;
+  const T* logits = row_logits(p, job);
+  const ArgMax best = block_argmax(logits, 0, p.vocab, p.vocab);
+  SoftmaxStats softmax{-INFINITY, 0.f};
+  if (job.temperature > 0.f && is_finite(best.value)) {  // block-uniform; no distribution otherwise
+    const float max_x = best.value / job.temperature;
+    softmax = SoftmaxStats{max_x, block_softmax_sum(logits, p.vocab, job.temperature, max_x)};
+  }
+  finish_row(p, blockIdx.x, job, best, softmax);
+}
+
+// ---- split-V row statistics: B * (K + 1) * splits blocks instead of B * (K + 1) ----
+// Block (row, s) covers ids [s * kVerifySplitIds, (s + 1) * kVerifySplitIds). Same results
+// as row_stats_kernel, bit for bit: the argmax does not depend on the order, and each softmax
+// partial is folded split by split as split_partial_sum does.
+
+__device__ __forceinline__ ArgMax combine_split_argmax(const ArgMax* split_best, int splits) {
+  ArgMax best = split_best[0];
+  for (int s = 1; s < splits; ++s) argmax_update(best, split_best[s].value, split_best[s].index);
+  return best;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) split_argmax_kernel(const VerifyParams<T> p, ArgMax* split_best,
+                                                                 int splits) {
+  const int64_t row = blockIdx.x / splits;
+  const int s = static_cast<int>(blockIdx.x % splits);
+  const RowJob job = row_job(p, row, false);
+  if (!job.valid) return;
+  const int64_t begin = s * kVerifySplitIds, end = min(p.vocab, begin + kVerifySplitIds);
+  const ArgMax best = block_argmax(row_logits(p, job), begin, end, p.vocab);
+  if (threadIdx.x == 0) split_best[blockIdx.x] = best;
+}
+
+// Sampling rows only: thread j's sum of partial j's terms inside split s.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) split_softmax_kernel(const VerifyParams<T> p, const ArgMax* split_best,
+                                                                  float* split_partials, int splits) {
+  const int64_t row = blockIdx.x / splits;
+  const int s = static_cast<int>(blockIdx.x % splits);
+  const RowJob job = row_job(p, row, false);
+  if (!job.valid || !(job.temperature > 0.f)) return;
+  const ArgMax best = combine_split_argmax(split_best + row * splits, splits);
+  if (!is_finite(best.value)) return;
+  const float max_x = best.value / job.temperature;
+  const T* logits = row_logits(p, job);
+  const int64_t begin = s * kVerifySplitIds, end = min(p.vocab, begin + kVerifySplitIds);
+  split_partials[blockIdx.x * kThreads + threadIdx.x] = split_partial_sum(begin, end, threadIdx.x, [&](int64_t v) {
+    return exp_nonpositive(static_cast<float>(logits[v]) / job.temperature - max_x);
+  });
+}
+
+// One block per row: the splits' argmaxes and partials combined, the checks reported.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) split_combine_kernel(const VerifyParams<T> p, const ArgMax* split_best,
+                                                                  const float* split_partials, int splits) {
+  if (blockIdx.x == 0 && p.d2t != nullptr) check_d2t(p);
+  const RowJob job = row_job(p, blockIdx.x, true);
+  if (!job.valid) return;
+  const ArgMax best = combine_split_argmax(split_best + blockIdx.x * splits, splits);
+  SoftmaxStats softmax{-INFINITY, 0.f};
+  if (job.temperature > 0.f && is_finite(best.value)) {  // block-uniform
+    float partial = 0.f;
+    for (int s = 0; s < splits; ++s)
+      partial = add_rn(partial, split_partials[(blockIdx.x * splits + s) * kThreads + threadIdx.x]);
+    softmax = SoftmaxStats{best.value / job.temperature, combine_block(partial)};
+  }
+  finish_row(p, blockIdx.x, job, best, softmax);
 }
 
 // q(v) of the emitted row; v must not decrease between calls with the same cursor d
@@ -354,7 +444,7 @@ __global__ void __launch_bounds__(kThreads, 1) tree_token_kernel(const TreeVerif
   }
   const T* logits = p.logits + b * p.logits_stride_b + j * p.logits_stride_i;
   const float temperature = p.temperature == nullptr ? 0.f : p.temperature[b];
-  const ArgMax best = block_argmax(logits, p.vocab);
+  const ArgMax best = block_argmax(logits, 0, p.vocab, p.vocab);
   int64_t token = best.index;
   if (temperature > 0.f && is_finite(best.value)) {  // block-uniform
     const float max_x = best.value / temperature;
@@ -396,6 +486,20 @@ __global__ void tree_walk_kernel(const TreeVerifyParams<T> p) {
   p.num_accepted[b] = walk_tree(N, parent, draft, token, p.out_ids + b * (N + 1), p.path + b * (N + 1));
 }
 
+// Split-V row statistics are not the default until a GPU run shows them faster (benchmarks/
+// gpu_check.sh): QSPEC_VERIFY_SPLIT=1 takes them where B * (K + 1) rows would leave more than
+// half the SMs idle, =always at every size (for the checks), unset or 0 never.
+bool use_split_rows(std::string_view op, int64_t num_rows, const Tensor& like) {
+  const char* setting = std::getenv("QSPEC_VERIFY_SPLIT");
+  const std::string_view mode = setting == nullptr ? "0" : setting;
+  QSPEC_CHECK(mode == "0" || mode == "1" || mode == "always", op, "QSPEC_VERIFY_SPLIT",
+              "must be 0, 1 or always, got '", mode, "'");
+  if (mode != "1") return mode == "always";
+  int sms = 0;
+  QSPEC_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, like.get_device_index()));
+  return num_rows < 2 * static_cast<int64_t>(sms);
+}
+
 }  // namespace
 
 void verify_cuda(std::string_view op, const Tensor& draft_ids, const std::optional<Tensor>& draft_probs,
@@ -409,12 +513,32 @@ void verify_cuda(std::string_view op, const Tensor& draft_ids, const std::option
   const cuda::DeviceContext context(target_logits);
   const cudaStream_t stream = context.stream();
   Tensor rows = verify_rows_workspace(s, target_logits);
+  const int64_t num_rows = s.batch * (s.num_draft_max + 1);
+  const int splits = use_split_rows(op, num_rows, target_logits) ? static_cast<int>(verify_num_splits(s.vocab)) : 1;
+  Tensor split_workspace;
+  if (splits > 1) {
+    QSPEC_CHECK(num_rows * splits <= std::numeric_limits<int32_t>::max(), op, "target_logits",
+                "split-V verification needs B * (K + 1) * splits <= 2^31 - 1 blocks, got ", num_rows * splits);
+    split_workspace = empty({num_rows * splits * static_cast<int64_t>(sizeof(ArgMax) + kThreads * sizeof(float))},
+                            target_logits, kByte);
+  }
   QSPEC_DISPATCH_ACTIVATION(dtype_of(target_logits), "verify_cuda", [&] {
     const VerifyParams<scalar_t> p = verify_params<scalar_t>(draft_ids, draft_probs, target_logits, temperature, seed,
                                                              offset, d2t, num_draft, s, rows, out_ids, num_accepted);
     // 1-D grids: B * (K + 1) <= 2^31 - 1 is checked with the shapes.
-    row_stats_kernel<scalar_t><<<s.batch * (s.num_draft_max + 1), kThreads, 0, stream>>>(p);
-    QSPEC_KERNEL_LAUNCH_CHECK();
+    if (splits == 1) {
+      row_stats_kernel<scalar_t><<<num_rows, kThreads, 0, stream>>>(p);
+      QSPEC_KERNEL_LAUNCH_CHECK();
+    } else {
+      auto* split_best = reinterpret_cast<ArgMax*>(mutable_data<uint8_t>(split_workspace));
+      auto* split_partials = reinterpret_cast<float*>(split_best + num_rows * splits);
+      split_argmax_kernel<scalar_t><<<num_rows * splits, kThreads, 0, stream>>>(p, split_best, splits);
+      QSPEC_KERNEL_LAUNCH_CHECK();
+      split_softmax_kernel<scalar_t><<<num_rows * splits, kThreads, 0, stream>>>(p, split_best, split_partials, splits);
+      QSPEC_KERNEL_LAUNCH_CHECK();
+      split_combine_kernel<scalar_t><<<num_rows, kThreads, 0, stream>>>(p, split_best, split_partials, splits);
+      QSPEC_KERNEL_LAUNCH_CHECK();
+    }
     emit_kernel<scalar_t><<<s.batch, kThreads, 0, stream>>>(p);
     QSPEC_KERNEL_LAUNCH_CHECK();
   });

@@ -128,16 +128,39 @@ struct SoftmaxStats {
 // Both kernels add the same values in the same order, so the row statistics, the accept
 // decisions and the draws are bit-identical on CPU and CUDA (the per-element math above is
 // shared and every rounding step is explicit).
-//  - softmax sum of a row: partial j (CUDA: thread j of a 256-thread block) adds the terms
-//    of v = j, j + 256, j + 512, ... in order; the 256 partials are combined by warps of
-//    32 in the order of an xor butterfly (offsets 16, 8, 4, 2, 1), then the 8 warp sums in
-//    order (combine_partials is that order written out for the CPU).
+//  - softmax sum of a row: the vocab is cut into splits of kVerifySplitIds ids (fixed, so the
+//    order never depends on the device or on how many blocks a kernel gives a row). Partial j
+//    (CUDA: thread j of a 256-thread block) adds, split by split, the terms of v = j, j + 256,
+//    j + 512, ... inside the split in order, starting each split from 0, and adds each split's
+//    sum to its running total in split order (split_partial_sum: a split kernel computes the
+//    per-split sums in parallel and adds them in the same order). The 256 partials are
+//    combined by warps of 32 in the order of an xor butterfly (offsets 16, 8, 4, 2, 1), then
+//    the 8 warp sums in order (combine_partials is that order written out for the CPU).
 //  - a draw over a row: the vocab is split into 256 chunks of draw_chunk_size(V) ids;
 //    chunk c's weights are summed in order in double; choose_chunk walks the chunk sums
 //    in order; the chosen chunk is scanned 32 ids at a time with an inclusive
 //    Hillis-Steele scan in double (walk_group is that scan written out for the CPU).
 constexpr int kVerifyThreads = 256;
 constexpr int kVerifyWarps = kVerifyThreads / 32;
+// 32 terms per partial per split: short enough that V = 151936 gives 19 splits per row (a
+// split kernel can fill a GPU at B = 1), long enough that the extra adds cost nothing.
+constexpr int64_t kVerifySplitIds = kVerifyThreads * 32;
+
+QSPEC_HOST_DEVICE int64_t verify_num_splits(int64_t vocab) { return (vocab + kVerifySplitIds - 1) / kVerifySplitIds; }
+
+// Partial `lane` of a row's softmax sum over ids [begin, end) (begin a multiple of
+// kVerifySplitIds): term(v) for v = begin + lane, begin + lane + 256, ..., folded split by split.
+template <typename Term>
+QSPEC_HOST_DEVICE float split_partial_sum(int64_t begin, int64_t end, int lane, Term term) {
+  float total = 0.f;
+  for (int64_t split = begin; split < end; split += kVerifySplitIds) {
+    const int64_t split_end = split + kVerifySplitIds < end ? split + kVerifySplitIds : end;
+    float sum = 0.f;
+    for (int64_t v = split + lane; v < split_end; v += kVerifyThreads) sum = add_rn(sum, term(v));
+    total = add_rn(total, sum);
+  }
+  return total;
+}
 
 // partial[0..255] -> the sum in the CUDA kernel's order (see above).
 inline float combine_partials(const float* partial) {
