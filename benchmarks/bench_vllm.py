@@ -4,7 +4,7 @@ each batch size. Run it in the vLLM venv (scripts/make_vllm_venv.sh):
 
     .venv-vllm/bin/python benchmarks/bench_vllm.py [--pair tiny] [--cores 1 2] [--batch 1 4 8] [-k 3]
         [--rounds 3] [--prompts 8] [--max-new-tokens 96] [--kinds plain chain parallel]
-        [--engines qspec_ext vllm] [--mode eager] [--json PATH]
+        [--engines qspec_ext vllm] [--mode eager] [--sampling greedy t1 seeded mixed] [--json PATH]
 
 Engines: qspec_ext (its own loop), vllm (stock: the qspec_ext plugin off), vllm+plugin (every
 seam of qspec_ext.integrations.vllm on), vllm+SEAM (that seam alone, e.g. vllm+rms_norm).
@@ -19,6 +19,16 @@ start-up takes minutes per configuration, untimed like qspec_ext's compile warm-
 alternate (qspec_ext, vLLM, qspec_ext, ...) for --rounds rounds, and each figure is the median
 over the rounds with the spread; a speed ratio is the median of each round's ratio.
 Batch B: the prompts B at a time (qspec_ext's in_batches; vLLM with max_num_seqs = B).
+
+--sampling: greedy (temperature 0), t1 (temperature 1.0), seeded (1.0 with a seed per request),
+mixed (1.0; of every 4 requests one seeded, one asking 5 logprobs, one with repetition penalty
+1.1, one plain). qspec_ext's own loop samples every setting but greedy at 1.0 with one seed per
+batch (its acceptance is the reference for vLLM's). Acceptance length: 1 + the accepted drafts per
+step summed over positions.
+
+The table of the vLLM issue (SmolLM2, fp32, 8 chat prompts, batch 1 and 8):
+    bench_vllm.py --pair smollm2 --cores 2 --batch 1 8 --kinds plain chain --rounds 2 \
+        --engines vllm vllm+plugin qspec_ext --sampling greedy t1 seeded mixed
 """
 
 import argparse
@@ -31,6 +41,22 @@ import time
 from common import print_child_result, run_child
 
 KINDS = ("plain", "chain", "parallel")
+SAMPLING = ("greedy", "t1", "seeded", "mixed")
+
+
+def vllm_params(setting: str, count: int, max_tokens: int) -> list:
+    """One SamplingParams per request for a --sampling setting."""
+    from vllm import SamplingParams
+
+    common = dict(max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    if setting == "greedy":
+        return [SamplingParams(temperature=0, **common)] * count
+    if setting == "t1":
+        return [SamplingParams(temperature=1.0, **common)] * count
+    if setting == "seeded":
+        return [SamplingParams(temperature=1.0, seed=1000 + i, **common) for i in range(count)]
+    extras = [dict(seed=1000), dict(logprobs=5), dict(repetition_penalty=1.1), {}]
+    return [SamplingParams(temperature=1.0, **common, **extras[i % 4]) for i in range(count)]
 
 
 def prompts_of(pair: str, count: int) -> list[list[int]]:
@@ -64,24 +90,27 @@ def child_qspec(job: dict) -> dict:
         runners["parallel"] = SpeculativeDecoder(target, parallel, job["k"], compile=compiled).generate
     for kind in job["kinds"]:
         for batch in job["batch"]:
-            def run():
+            def run(setting, prompts=prompts):
+                temperature = 0.0 if setting == "greedy" else 1.0
                 return in_batches(lambda p, **kw: runners[kind](prompts=p, **kw), prompts, batch,
-                                  max_new_tokens=job["max_new_tokens"])
-            run()  # warm-up (compiled: builds every graph the timed run uses)
-            result = run()
-            s = result.stats
-            out[f"{kind}/{batch}"] = dict(tokens_per_second=s.tokens_per_second, tokens=result.tokens,
-                                          acceptance=None if kind == "plain" else s.acceptance_rate_per_position)
+                                  max_new_tokens=job["max_new_tokens"], temperature=temperature)
+            for setting in job["sampling"]:  # warm-up (compiled: builds every graph the timed run uses)
+                run(setting, prompts[:batch])
+            for setting in job["sampling"]:
+                result = run(setting)
+                s = result.stats
+                out[f"{kind}/{batch}/{setting}"] = dict(
+                    tokens_per_second=s.tokens_per_second, tokens=result.tokens,
+                    acceptance=None if kind == "plain" else s.acceptance_rate_per_position)
     return out
 
 
 def child_vllm(job: dict) -> dict:
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     from qspec_ext.shipped import drafter_dir, target_dir
 
     prompts, out = job["prompts"], {}
-    params = SamplingParams(temperature=0, max_tokens=job["max_new_tokens"], ignore_eos=True, detokenize=False)
     for kind in job["kinds"]:
         # P-EAGLE: vLLM drafts in parallel only when asked (else it runs the drafter as a chain).
         spec = None if kind == "plain" else {"method": "eagle3", "num_speculative_tokens": job["k"],
@@ -99,23 +128,26 @@ def child_vllm(job: dict) -> dict:
                 per = getattr(m.get("vllm:spec_decode_num_accepted_tokens_per_pos"), "values", [])
                 return drafts, list(per)
 
-            def run():
+            def run(setting, prompts=prompts):
+                params = vllm_params(setting, len(prompts), job["max_new_tokens"])
                 tokens, start = [], time.perf_counter()
                 for i in range(0, len(prompts), batch):
-                    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[i : i + batch]], params,
-                                        use_tqdm=False)
+                    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[i : i + batch]],
+                                        params[i : i + batch], use_tqdm=False)
                     tokens += [list(o.outputs[0].token_ids) for o in outs]
                 return tokens, time.perf_counter() - start
 
-            run()  # warm-up
-            before = counters()
-            tokens, seconds = run()
-            after = counters()
-            drafts = after[0] - before[0]
-            acceptance = None if kind == "plain" or not drafts else [
-                (a - b) / drafts for a, b in zip(after[1], before[1] or [0] * len(after[1]))]
-            out[f"{kind}/{batch}"] = dict(tokens_per_second=sum(map(len, tokens)) / seconds, tokens=tokens,
-                                          acceptance=acceptance)
+            for setting in job["sampling"]:  # warm-up: each setting's first batch
+                run(setting, prompts[:batch])
+            for setting in job["sampling"]:
+                before = counters()
+                tokens, seconds = run(setting)
+                after = counters()
+                drafts = after[0] - before[0]
+                acceptance = None if kind == "plain" or not drafts else [
+                    (a - b) / drafts for a, b in zip(after[1], before[1] or [0] * len(after[1]))]
+                out[f"{kind}/{batch}/{setting}"] = dict(tokens_per_second=sum(map(len, tokens)) / seconds,
+                                                        tokens=tokens, acceptance=acceptance)
             del llm
     return out
 
@@ -172,6 +204,7 @@ def main():
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     parser.add_argument("--engines", nargs="+", default=["qspec_ext", "vllm"])
     parser.add_argument("--mode", default="eager", choices=["eager", "compiled"])
+    parser.add_argument("--sampling", nargs="+", default=["greedy"], choices=SAMPLING)
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
     if len(args.engines) < 2:
@@ -182,7 +215,8 @@ def main():
     for engine in args.engines:
         plugin_disabled(engine_mode(engine, args.mode)[0])  # an unknown name fails before any child runs
     base = dict(pair=args.pair, prompts=prompts_of(args.pair, args.prompts), k=args.k, batch=args.batch,
-                max_new_tokens=args.max_new_tokens, dtype=args.dtype, kinds=args.kinds, mode=args.mode)
+                max_new_tokens=args.max_new_tokens, dtype=args.dtype, kinds=args.kinds, mode=args.mode,
+                sampling=args.sampling)
     runs = {}  # (engine, cores) -> [round results]
     for round_ in range(args.rounds):
         for cores in args.cores:
@@ -194,27 +228,32 @@ def main():
     for cores in args.cores:
         for kind in args.kinds:
             for batch in args.batch:
-                key = f"{kind}/{batch}"
-                row = dict(cores=cores, kind=kind, batch=batch, engines={})
-                theirs = [r[key] for r in runs[reference, cores]]
-                for engine in args.engines:
-                    mine = [r[key] for r in runs[engine, cores]]
-                    rates = [r["tokens_per_second"] for r in mine]
-                    row["engines"][engine] = dict(
-                        tokens_per_second=statistics.median(rates), spread=[min(rates), max(rates)], rounds=rates,
-                        ratio=statistics.median(a["tokens_per_second"] / b["tokens_per_second"]
-                                                for a, b in zip(mine, theirs)),
-                        same_tokens=mine[0]["tokens"] == theirs[0]["tokens"], acceptance=mine[0]["acceptance"])
-                rows.append(row)
-    print(f"pair {args.pair}, {args.prompts} prompts x {args.max_new_tokens} tokens, greedy, {args.dtype}, {args.mode}, k = {args.k}; "
+                for setting in args.sampling:
+                    key = f"{kind}/{batch}/{setting}"
+                    row = dict(cores=cores, kind=kind, batch=batch, sampling=setting, engines={})
+                    theirs = [r[key] for r in runs[reference, cores]]
+                    for engine in args.engines:
+                        mine = [r[key] for r in runs[engine, cores]]
+                        rates = [r["tokens_per_second"] for r in mine]
+                        acceptance = mine[0]["acceptance"]
+                        row["engines"][engine] = dict(
+                            tokens_per_second=statistics.median(rates), spread=[min(rates), max(rates)],
+                            rounds=rates, ratio=statistics.median(a["tokens_per_second"] / b["tokens_per_second"]
+                                                                  for a, b in zip(mine, theirs)),
+                            same_tokens=mine[0]["tokens"] == theirs[0]["tokens"] if setting == "greedy" else None,
+                            acceptance=acceptance,
+                            acceptance_lengths=None if acceptance is None else [1 + sum(r["acceptance"]) for r in mine])
+                    rows.append(row)
+    print(f"pair {args.pair}, {args.prompts} prompts x {args.max_new_tokens} tokens, {args.dtype}, {args.mode}, k = {args.k}; "
           f"medians over {args.rounds} alternating rounds (spread min-max); ratio: the median of each round's "
-          f"engine / {reference}; same: greedy tokens equal {reference}'s")
+          f"engine / {reference}; same: greedy tokens equal {reference}'s; AL: acceptance length per round")
     for r in rows:
-        print(f"{r['cores']} core(s), {r['kind']}, batch {r['batch']}:")
+        print(f"{r['cores']} core(s), {r['kind']}, batch {r['batch']}, {r['sampling']}:")
         for engine, e in r["engines"].items():
-            acc = "" if e["acceptance"] is None else "  acceptance " + " ".join(f"{a:.2f}" for a in e["acceptance"])
+            acc = "" if e["acceptance"] is None else "  AL " + " ".join(f"{a:.2f}" for a in e["acceptance_lengths"])
+            same = "" if e["same_tokens"] is None else f"  same {'yes' if e['same_tokens'] else 'NO'}"
             print(f"  {engine:>24} {e['tokens_per_second']:7.0f} tok/s ({e['spread'][0]:.0f}-{e['spread'][1]:.0f}) "
-                  f"{e['ratio']:5.2f}x  same {'yes' if e['same_tokens'] else 'NO'}{acc}")
+                  f"{e['ratio']:5.2f}x{same}{acc}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
