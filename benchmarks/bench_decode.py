@@ -56,7 +56,7 @@ def step_times(device: str, target, drafter, batch: int, k: int, repeats: int = 
     positions = torch.arange(8, 9 + k, device=device).expand(batch, -1).contiguous()
     hidden = torch.zeros(batch, 1, drafter.config.hidden_size, dtype=drafter.fc.weight.dtype, device=device)
     calls = {"target": lambda: target(tokens, positions),
-             "drafter": lambda: drafter(hidden, tokens[:, :1], positions[:, :1], from_features=False)}
+             "drafter": lambda: drafter.step(hidden, tokens[:, :1], positions[:, :1])}
     seconds = {}
     for name, call in calls.items():
         with torch.no_grad():

@@ -73,8 +73,8 @@ class OracleDrafter:
     def setup(self, batch, length):
         self.inner.setup(batch, length)
 
-    def prefill(self, *args, **kwargs):
-        return self.inner.prefill(*args, **kwargs)
+    def prefill_last(self, *args, **kwargs):
+        return self.inner.prefill_last(*args, **kwargs)
 
     def keep_requests(self, rows, lengths):
         self.inner.keep_requests(rows, lengths)

@@ -246,8 +246,8 @@ def test_capture_hf_model_matches_output_hidden_states():
     tokens = torch.randint(0, 97, (2, 5))
     with torch.no_grad():
         out = model(tokens, output_hidden_states=True)
-    hidden, residual = capture.features()
-    assert residual is None
+    hidden, residual, packed_row = capture.features()
+    assert residual is None and packed_row is None
     torch.testing.assert_close(hidden[0], out.hidden_states[1].reshape(10, 64))
     torch.testing.assert_close(hidden[1], out.hidden_states[3].reshape(10, 64))
     # Id N is the last layer's output before the final norm, unlike HF's hidden_states[N].
@@ -267,12 +267,10 @@ def test_capture_hf_model_matches_output_hidden_states():
         capture.features()
 
 
-def test_capture_with_fused_residual_adds_it():
-    capture = qspec_ext.AuxHiddenCapture([0, 2])
+def test_features_with_fused_residual_add_it():
     h = [torch.randn(2, 3, 16) for _ in range(3)]
     r = [torch.randn(2, 3, 16) for _ in range(3)]
-    for layer in range(3):
-        capture.record(layer, h[layer], r[layer])
-    out = capture.gather(torch.tensor([4, 1]), out=torch.empty(2, 32))
+    features = qspec_ext.AuxFeatures.of([0, 2], [(layer, h[layer], r[layer]) for layer in range(3)])
+    out = features.gather(torch.tensor([4, 1]), out=torch.empty(2, 32))
     expected = torch.cat([(h[0] + r[0]).view(6, 16), (h[2] + r[2]).view(6, 16)], -1)[[4, 1]]
     torch.testing.assert_close(out, expected)

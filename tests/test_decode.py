@@ -26,13 +26,13 @@ def test_qwen3_target_matches_transformers(tmp_path, tie):
     positions = torch.arange(9).expand(2, 9).clone()
     positions[1, 6:] = -1  # a shorter request
     target.setup(2, 32)
-    logits = target(tokens, positions)
+    logits, captured = target(tokens, positions)
     with torch.no_grad():
         expected = hf(tokens, output_hidden_states=True)
         short = hf(tokens[1:, :6])
     torch.testing.assert_close(logits[0], expected.logits[0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(logits[1, :6], short.logits[0], atol=1e-4, rtol=1e-4)
-    hidden, residual = target.capture.features()
+    hidden, residual, _ = captured
     features = [h + (r if r is not None else 0) for h, r in zip(hidden, residual or [None] * 3)]
     torch.testing.assert_close(features[0].view(2, 9, H)[0], expected.hidden_states[0][0])
     torch.testing.assert_close(features[1].view(2, 9, H)[0], expected.hidden_states[2][0], atol=1e-5, rtol=1e-5)
@@ -57,7 +57,7 @@ def test_qwen3_target_with_rope_scaling_matches_transformers(tmp_path, scaling):
     target = NativeTarget.from_pretrained(tmp_path, aux_layer_ids=AUX)
     tokens = torch.randint(0, VOCAB, (1, 80))
     target.setup(1, 96)
-    logits = target(tokens, torch.arange(80)[None])
+    logits = target(tokens, torch.arange(80)[None]).logits
     with torch.no_grad():
         expected = hf(tokens).logits
     torch.testing.assert_close(logits, expected, atol=2e-4, rtol=2e-4)
@@ -236,7 +236,7 @@ def test_first_token_time_is_the_target_prefill_only(hf_dir, monkeypatch):
 
     forward = ticking(target.forward, lambda call: 1.0)
     monkeypatch.setattr(target, "forward", forward)
-    monkeypatch.setattr(drafter, "prefill", ticking(drafter.prefill, lambda call: 10.0 if call.calls == 0 else 0.0))
+    monkeypatch.setattr(drafter, "prefill_last", ticking(drafter.prefill_last, lambda call: 10.0 if call.calls == 0 else 0.0))
     plain = generate_plain(target, PROMPTS, 12).stats
     assert (plain.num_requests, plain.first_token_time, plain.wall_time) == (len(PROMPTS), 1.0, 12.0)
     assert plain.decode_tokens_per_second == len(PROMPTS) * 11 / 11.0
@@ -252,13 +252,13 @@ def test_first_prefill_pairs_each_prompt_token_with_the_next(hf_dir):
     target = NativeTarget.from_pretrained(hf_dir, aux_layer_ids=AUX)
     drafter = make_drafter()
     calls = []
-    real = drafter.prefill
+    real = drafter.prefill_last
 
     def spy(features, tokens, positions, *args, **kwargs):
         calls.append((tokens.clone(), positions.clone()))
         return real(features, tokens, positions, *args, **kwargs)
 
-    drafter.prefill = spy
+    drafter.prefill_last = spy
     result = SpeculativeDecoder(target, drafter, 2).generate(PROMPTS, 4)
     tokens, positions = calls[0]
     for b, prompt in enumerate(PROMPTS):

@@ -101,19 +101,21 @@ def test_kernel_path_equals_reference_path(arch, flags, batch):
 
 @pytest.mark.parametrize("layers", [1, 2])
 @pytest.mark.parametrize("flags", [dict(), dict(norm_output=True)], ids=["plain", "norm_output"])
-def test_prefill_last_only_keeps_the_last_pairs(flags, layers):
-    """prefill(last_only=True) returns the logits of each request's last pair (ragged batch) and
-    leaves the same cache and draft state as a full prefill (x_next depends on norm_output), though
-    it runs without the padding and its last layer attends and runs its MLP for those pairs only."""
+def test_prefill_last_keeps_the_last_pairs(flags, layers):
+    """prefill_last (packed) gives the draft state of each request's last pair (ragged batch) and
+    leaves the same cache and drafts as a full prefill (x_next depends on norm_output), though it
+    runs without the padding and its last layer attends and runs its MLP for those pairs only."""
     config = make_config("qwen3", layers, **flags)
     full, last = random_drafter(config), random_drafter(config)
     features, next_tokens, positions = inputs(4, 7, config, pad=True)
     all_logits, drafts_full, probs_full = run(full, 4, features, next_tokens, positions)
     last.setup(4, 64)
-    logits, state = last.prefill(features, next_tokens, positions, last_only=True)
+    fc_input = last.fc_input(features.reshape(-1, features.shape[-1])).view_as(features)
+    state = last.prefill_last(fc_input, next_tokens, positions, packed=True)
     ends = positions.argmax(dim=1)
-    assert ends.tolist() == [6, 4, 6, 6] and logits.shape == (4, DRAFT_VOCAB)
-    torch.testing.assert_close(logits, all_logits[torch.arange(4), ends], atol=1e-5, rtol=1e-5)
+    assert ends.tolist() == [6, 4, 6, 6] and state.logits.shape == (4, DRAFT_VOCAB)
+    torch.testing.assert_close(state.logits, all_logits[torch.arange(4), ends].float(), atol=1e-5, rtol=1e-5)
+    assert state.next_position.tolist() == (ends + 1).tolist()
     drafts, probs = draft(last, state, 4, return_probs=True)
     assert torch.equal(drafts, drafts_full)
     torch.testing.assert_close(probs, probs_full, atol=1e-5, rtol=1e-5)

@@ -253,7 +253,7 @@ def test_cli_type_errors_are_bugs_and_keep_their_traceback(dirs, monkeypatch):
 
 def test_tree_with_zero_draft_tokens_is_refused(pair):
     target, drafter = pair
-    with pytest.raises(ValueError, match="SpeculativeDecoder: num_draft_tokens must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="TreeDrafting: num_draft_tokens must be >= 1, got 0"):
         SpeculativeDecoder(target, drafter, 3, topk=2, num_draft_tokens=0)
 
 

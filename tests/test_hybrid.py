@@ -119,12 +119,12 @@ def test_rollback_is_exact(kind, split_mixers):
     # Request n accepted n drafts: its next call starts at s + n + 1 with a correction token and k drafts.
     second = torch.tensor([[40 + n, 50, 51, 52, 53] for n in range(B)])
     start = torch.tensor([s + n + 1 for n in range(B)])
-    logits = target(second, start[:, None] + torch.arange(k + 1))
-    features = [f.view(B, k + 1, H) for f in target.capture.features()[0]]
+    logits, captured = target(second, start[:, None] + torch.arange(k + 1))
+    features = [f.view(B, k + 1, H) for f in captured.hidden]
     # and a second rollback: request n keeps (k - n) of these drafts
     third = torch.tensor([[60 + n, 61] for n in range(B)])
     start3 = start + torch.tensor([k - n for n in range(B)]) + 1
-    logits3 = target(third, start3[:, None] + torch.arange(2))
+    logits3 = target(third, start3[:, None] + torch.arange(2)).logits
     for n in range(B):
         kept = prompt + drafts[0, : n + 1].tolist()
         with torch.no_grad():
@@ -180,8 +180,8 @@ def test_aux_features_of_a_ragged_batch(kind):
         tokens[b, : len(p)] = torch.tensor(p)
         positions[b, : len(p)] = torch.arange(len(p))
     target.setup(B, 32)
-    logits = target(tokens, positions)
-    features = [f.view(B, T, H) for f in target.capture.features()[0]]
+    logits, captured = target(tokens, positions)
+    features = [f.view(B, T, H) for f in captured.hidden]
     for b, p in enumerate(PROMPTS):
         with torch.no_grad():
             out = model(torch.tensor([p]), output_hidden_states=True)

@@ -215,11 +215,11 @@ def test_the_native_target_keeps_one_copy_of_its_projections_after_setup():
     tokens = torch.tensor([[5, 17, 42, 7]])
     positions = torch.arange(4)[None]
     target.setup(1, 16)
-    logits = target(tokens, positions)
+    logits = target(tokens, positions).logits
     linears = [m for m in target.modules() if isinstance(m, Linear)]
     tied = target.lm_head.weight is target.model.embed_tokens.weight
     assert all(m.released for m in linears if not (tied and m is target.lm_head))
     after = target.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
     target.setup(1, 16)  # set up again: the same packed copies, the same logits
-    torch.testing.assert_close(target(tokens, positions), logits)
+    torch.testing.assert_close(target(tokens, positions).logits, logits)

@@ -73,7 +73,8 @@ def test_smollm2_on_the_native_target_matches_transformers(target, smollm2_dir):
     target.setup(1, tokens.shape[1] + 1)
     with torch.no_grad():
         expected = hf(tokens).logits
-    torch.testing.assert_close(target(tokens, torch.arange(tokens.shape[1])[None]), expected, atol=2e-3, rtol=1e-3)
+    torch.testing.assert_close(target(tokens, torch.arange(tokens.shape[1])[None]).logits, expected, atol=2e-3,
+                               rtol=1e-3)
     plain = generate_plain(target, prompts, 12, eos_token_id=stop_ids(smollm2_dir))
     with torch.no_grad():
         reference = [hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p):].tolist()

@@ -12,8 +12,8 @@ import transformers
 from helpers import AUX, H, PROMPTS, VOCAB, make_drafter, make_hf
 
 import qspec_ext
-from qspec_ext import (Eagle3Drafter, HFTarget, NativeTarget, SpeculativeDecoder, Target, generate_plain, load_pair,
-                       load_target)
+from qspec_ext import (Eagle3Drafter, HFTarget, NativeTarget, SpeculativeDecoder, Target, TargetOutput, generate_plain,
+                       load_pair, load_target)
 from qspec_ext.models.checkpoint import CheckpointError
 from qspec_ext.ops import verify_sampling
 from qspec_ext.rope import rope_config, rope_parameters
@@ -137,13 +137,17 @@ def test_both_targets_implement_the_protocol(hf_dir):
     for target in (native, hf):
         assert isinstance(target, Target)
         assert target.device == torch.device("cpu") and target.dtype == torch.float32
-    assert native.capabilities.trees and native.capabilities.compilable and native.capabilities.static_cache
-    assert not (hf.capabilities.trees or hf.capabilities.compilable or hf.capabilities.static_cache)
+    assert native.capabilities.trees and native.capabilities.compilable
+    assert not (hf.capabilities.trees or hf.capabilities.compilable)
     # the same numbers through both
     for target in (native, hf):
         target.setup(1, 16)
     tokens, positions = torch.tensor([[3, 4, 5]]), torch.arange(3)[None]
-    torch.testing.assert_close(native(tokens, positions), hf(tokens, positions), atol=1e-4, rtol=1e-4)
+    native_out, hf_out = native(tokens, positions), hf(tokens, positions)
+    assert isinstance(native_out, TargetOutput) and isinstance(hf_out, TargetOutput)
+    torch.testing.assert_close(native_out.logits, hf_out.logits, atol=1e-4, rtol=1e-4)
+    rows = torch.arange(tokens.numel())
+    torch.testing.assert_close(native_out.features.gather(rows), hf_out.features.gather(rows), atol=1e-4, rtol=1e-4)
 
 
 def test_load_target_picks_the_class_from_model_type(tmp_path, hf_dir):
@@ -186,20 +190,20 @@ def test_a_ragged_prefill_runs_its_tokens_packed(pair):
     tokens = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
     positions = torch.tensor([list(range(len(p))) + [-1] * (width - len(p)) for p in prompts])
     target.setup(len(prompts), 16)
-    full = target(tokens, positions)
-    logits = target(tokens, positions, last_only=True)
+    full = target(tokens, positions).logits
+    logits, captured = target(tokens, positions, last_only=True)
     ends = torch.tensor([len(p) - 1 for p in prompts])
     torch.testing.assert_close(logits, full[torch.arange(len(prompts)), ends], atol=1e-5, rtol=1e-5)
-    assert target.capture.features()[0][0].shape[0] == sum(map(len, prompts))
+    assert captured.hidden[0].shape[0] == sum(map(len, prompts))
     grid_rows = torch.where(positions >= 0, torch.arange(tokens.numel()).view_as(tokens), -1).reshape(-1)
-    features = target.capture.gather(grid_rows).view(len(prompts), width, -1)
+    features = captured.gather(grid_rows).view(len(prompts), width, -1)
     caches = [(k.view(len(prompts), 16, -1).clone(), v.view(len(prompts), 16, -1).clone()) for k, v in target.caches]
     target.setup(1, 16)
     for b, prompt in enumerate(prompts):
-        alone = target(torch.tensor([prompt]), torch.arange(len(prompt))[None], last_only=True)
+        alone, alone_captured = target(torch.tensor([prompt]), torch.arange(len(prompt))[None], last_only=True)
         torch.testing.assert_close(logits[b], alone[0], atol=1e-5, rtol=1e-5)
         n = len(prompt)
-        alone_features = target.capture.gather(torch.arange(n))
+        alone_features = alone_captured.gather(torch.arange(n))
         torch.testing.assert_close(features[b, :n], alone_features, atol=1e-5, rtol=1e-5)
         assert not features[b, n:].any()  # padding: zeros
         for (k, v), (k_alone, v_alone) in zip(caches, target.caches):
@@ -353,14 +357,14 @@ def test_llama_target_matches_transformers(tmp_path, tie, scaling):
     positions = torch.arange(40).expand(2, 40).clone()
     positions[1, 30:] = -1
     target.setup(2, 64)
-    logits = target(tokens, positions)
+    logits, captured = target(tokens, positions)
     with torch.no_grad():
         expected = hf(tokens).logits
         short = hf(tokens[1:, :30]).logits
     torch.testing.assert_close(logits[0], expected[0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(logits[1, :30], short[0], atol=1e-4, rtol=1e-4)
     # the aux features: the stream entering each aux layer (HF's hidden_states below the last)
-    hidden, residual = target.capture.features()
+    hidden, residual, _ = captured
     with torch.no_grad():
         states = hf(tokens[:1], output_hidden_states=True).hidden_states
     for i, layer in enumerate(AUX):
@@ -409,7 +413,7 @@ def test_a_tied_embedding_stays_in_the_file_and_only_its_used_rows_are_read(tmp_
     resident = resident_bytes_of_mapping(file, table)
     assert resident <= 2**20, f"{resident} bytes of the 4 MiB table resident after setup (packed again?)"
     tokens = torch.tensor([[1, 2, 3, 16000]])
-    logits = target(tokens, torch.arange(4)[None])
+    logits = target(tokens, torch.arange(4)[None]).logits
     assert packed is not None and target.lm_head.packed_weight is packed  # packed at load, not again at setup
     resident = resident_bytes_of_mapping(file, table)
     assert resident <= 2**18, f"{resident} bytes of the 4 MiB table resident after a forward of 4 tokens"

@@ -104,8 +104,8 @@ def test_train_drafter_reads_the_aux_layers_asked_for(tiny_target, tmp_path):
         trained_logits, _, _ = ttt_step(drafter, drafter.fc(features[:, :9]), ids[:, 1:], torch.arange(9), cos_sin,
                                         [[] for _ in drafter.layers])
         target.setup(1, 32)
-        target(ids, torch.arange(10)[None])
-        captured = target.capture.gather(torch.arange(9), "none", None, drafter.config.rms_norm_eps)
+        captured = target(ids, torch.arange(10)[None]).features.gather(torch.arange(9), "none", None,
+                                                                       drafter.config.rms_norm_eps)
     drafter.setup(1, 32)
     served, _ = drafter.prefill(captured[None], ids[:, 1:], torch.arange(9)[None])
     torch.testing.assert_close(served, trained_logits, atol=1e-4, rtol=1e-4)
@@ -202,8 +202,7 @@ def test_ttt_step_two_is_the_drafters_second_step(tiny_target, trained):
         for t in range(10):  # pairs whose token two ahead exists
             loaded.setup(1, 32)
             _, state = loaded.prefill(features[:, : t + 1], ids[:, 1 : t + 2], torch.arange(t + 1)[None])
-            step, _ = loaded(state.hidden[:, None], ids[:, t + 2 : t + 3],
-                                           torch.tensor([[t + 1]]), from_features=False)
+            step, _ = loaded.step(state.hidden[:, None], ids[:, t + 2 : t + 3], torch.tensor([[t + 1]]))
             p = torch.softmax(out.logits[0, t + 2].float(), -1)[draft_ids]
             p = p / p.sum()
             kls.append((p * (p.log() - torch.log_softmax(step[0, 0].float(), -1))).sum())
@@ -423,7 +422,7 @@ def test_shipped_pair_loads_in_qspec_ext_and_transformers():
     ids = torch.tensor([tokenizer.encode("import os\n\ndef main():\n")])
     target = NativeTarget.from_pretrained(DEMO_DIR / "target", dtype=torch.float32)
     target.setup(1, 64)
-    ours = target(ids, torch.arange(ids.shape[1])[None])
+    ours = target(ids, torch.arange(ids.shape[1])[None]).logits
     with torch.no_grad():
         expected = hf(ids).logits
     torch.testing.assert_close(ours, expected, atol=2e-4, rtol=2e-4)
@@ -773,10 +772,11 @@ def test_cod_nodes_nest_and_keep_the_configured_fraction_per_depth():
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_training_keeps_freed_memory_instead_of_faulting_it_in_again():
     """A freed 128 MB block comes back from the heap: touching it again does not page-fault it in;
-    release_freed_memory hands the free pages back to the OS."""
+    trim_heap hands the free pages back to the OS."""
     script = textwrap.dedent("""
         import resource, torch
-        from qspec_ext.train import keep_freed_memory, release_freed_memory
+        from qspec_ext.heap import trim_heap
+        from qspec_ext.train import keep_training_memory
 
         def faults_per_block():
             faults = []
@@ -792,11 +792,11 @@ def test_training_keeps_freed_memory_instead_of_faulting_it_in_again():
 
         faults_per_block()
         default = faults_per_block()
-        assert keep_freed_memory()
+        assert keep_training_memory()
         faults_per_block()
         kept = faults_per_block()
         held = resident_mb()
-        release_freed_memory()
+        trim_heap()
         print(default, kept, held - resident_mb())
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,

@@ -57,8 +57,7 @@ def test_draft_tree_is_the_best_nodes_by_cumulative_log_probability(depth, topk,
                                                  positions[b : b + 1, :length])
             row, hidden = logits[0, -1].float(), path_state.hidden
             for i, token in enumerate(path_tokens):
-                step, hidden = drafter(hidden[:, None], torch.tensor([[token]]),
-                                                     torch.tensor([[length + i]]), from_features=False)
+                step, hidden = drafter.step(hidden[:, None], torch.tensor([[token]]), torch.tensor([[length + i]]))
                 row, hidden = step[0, 0].float(), hidden[:, 0]
             return torch.log_softmax(row, -1)
 
@@ -98,22 +97,22 @@ def test_tree_forward_of_the_target_equals_running_each_path(target_dir):
     depths = ancestors.sum(-1) - 1
     tree = TreeAttention(torch.tensor([5]), ancestors, 32)
     tokens = torch.cat([torch.tensor([[prompt[-1]]]), drafts], 1)
-    logits = target(tokens, 5 + depths, tree=tree)
+    logits = target(tokens, 5 + depths, tree=tree).logits
     for j in range(7):
         path = [0] + [a for a in range(1, 7) if ancestors[0, j, a]]
         seq = prompt[:-1] + tokens[0, path].tolist()
         target.setup(1, 32)
-        expected = target(torch.tensor([seq]), torch.arange(len(seq))[None])[0, -1]
+        expected = target(torch.tensor([seq]), torch.arange(len(seq))[None]).logits[0, -1]
         torch.testing.assert_close(logits[0, j], expected, atol=1e-4, rtol=1e-4)
     # Keep the path root -> 1 -> 3 -> 5 and continue from it.
     target.setup(1, 32)
     target(torch.tensor([prompt[:-1]]), torch.arange(5)[None])
     target(tokens, 5 + depths, tree=tree)
     target.commit_path(tree, torch.tensor([[0, 1, 3, 5, -1, -1, -1]]))
-    after = target(torch.tensor([[90]]), torch.tensor([[9]]))[0, 0]
+    after = target(torch.tensor([[90]]), torch.tensor([[9]])).logits[0, 0]
     target.setup(1, 32)
     seq = prompt + [11, 13, 15, 90]
-    expected = target(torch.tensor([seq]), torch.arange(len(seq))[None])[0, -1]
+    expected = target(torch.tensor([seq]), torch.arange(len(seq))[None]).logits[0, -1]
     torch.testing.assert_close(after, expected, atol=1e-4, rtol=1e-4)
 
 

@@ -58,11 +58,11 @@ else:
 
 if EXTENSION_PROBLEM is None:
     from . import ops, reference
-    from .capture import AuxHiddenCapture, default_aux_layer_ids
+    from .capture import AuxFeatures, AuxHiddenCapture, default_aux_layer_ids
     from .decode import GenerateResult, SpecDecodeStats, SpeculativeDecoder, generate_plain
     from .models import Eagle3Config, Eagle3Drafter
     from .pair import load_pair
-    from .targets import Capabilities, HFTarget, NativeTarget, Target, load_target
+    from .targets import Capabilities, HFTarget, NativeTarget, Target, TargetOutput, load_target
     from .ops import (
         eagle3_input_norm,
         fused_add_rms_norm_,
@@ -85,9 +85,11 @@ if EXTENSION_PROBLEM is None:
     __version__ = _C.version
 
 __all__ = [
+    "AuxFeatures",
     "AuxHiddenCapture",
     "Capabilities",
     "Target",
+    "TargetOutput",
     "load_pair",
     "load_target",
     "Eagle3Config",

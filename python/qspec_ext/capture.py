@@ -2,13 +2,15 @@
 
 The feature of aux layer L is the residual stream ENTERING decoder layer L (HF's
 ``output_hidden_states[L]``); id N (the layer count) is the last layer's output before
-the final norm. :class:`AuxHiddenCapture` keeps references to those tensors as the
-target runs (no copies) and hands them to :func:`qspec_ext.gather_aux_hidden`, which
-reads each selected row once and writes the drafter's fc input.
+the final norm. A target's forward returns them as :class:`AuxFeatures` (references, no
+copies) beside its logits; :meth:`AuxFeatures.gather` hands them to
+:func:`qspec_ext.gather_aux_hidden`, which reads each selected row once and writes the
+drafter's fc input. :class:`AuxHiddenCapture` records them from hooks on a transformers model.
 """
 
 import logging
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -35,53 +37,30 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
     return ids
 
 
-class AuxHiddenCapture:
-    """References to the aux-layer features of the latest target forward.
+class AuxFeatures(NamedTuple):
+    """The aux features of one target forward, in aux-layer order: ``hidden[i]`` ``[rows, H]``, the
+    stream entering aux layer i, and ``residual[i]`` its residual part where the target keeps the
+    two apart (None: no layer does; :meth:`gather` adds them). ``packed_row`` ``[B*T]``: the forward
+    ran its tokens packed; the row holding each token of its ``[B, T]`` grid (-1: padding), which
+    :meth:`gather`'s indices still count in."""
 
-    A target with a fused residual (hidden and residual kept apart) calls
-    ``capture.store([(L, hidden, residual), ...])`` once per forward with the streams entering
-    its aux layers; the gather then adds each pair. A plain HF model is hooked with
-    :meth:`attach`, whose hooks call :meth:`record` per layer. Tensors are kept by reference,
-    as ``[tokens, H]`` views; the gather is the only pass over them.
-    """
+    hidden: tuple[torch.Tensor, ...]
+    residual: tuple[torch.Tensor, ...] | None = None
+    packed_row: torch.Tensor | None = None
 
-    def __init__(self, layer_ids: Sequence[int]):
-        if len(layer_ids) == 0 or len(set(layer_ids)) != len(layer_ids):
-            raise ValueError(f"AuxHiddenCapture: layer_ids must be non-empty and unique, got {list(layer_ids)}")
-        self.layer_ids = list(layer_ids)
-        self._hidden: dict[int, torch.Tensor] = {}
-        self._residual: dict[int, torch.Tensor] = {}
-        self._packed_row: torch.Tensor | None = None
-        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-
-    def record(self, layer_id: int, hidden: torch.Tensor, residual: torch.Tensor | None = None) -> None:
-        """Keeps (a flat view of) the stream entering layer ``layer_id`` if it is an aux layer."""
-        if layer_id not in self.layer_ids:
-            return
-        self._hidden[layer_id] = hidden.reshape(-1, hidden.shape[-1])
-        if residual is not None:
-            self._residual[layer_id] = residual.reshape(-1, residual.shape[-1])
-
-    def store(self, records: list[tuple[int, torch.Tensor, torch.Tensor | None]],
-              packed_row: torch.Tensor | None = None) -> None:
-        """Replaces what is recorded with these (layer id, hidden, residual) of one forward. New
-        dicts, not the old ones mutated: a compiled forward then has no guard on their contents.
-        ``packed_row`` ``[B*T]``: the forward ran its tokens packed; the row holding each token of
-        its ``[B, T]`` grid (-1: padding), which :meth:`gather`'s indices still count in."""
-        self._hidden = {i: h.reshape(-1, h.shape[-1]) for i, h, _ in records if i in self.layer_ids}
-        self._residual = {i: r.reshape(-1, r.shape[-1]) for i, h, r in records if i in self.layer_ids and r is not None}
-        self._packed_row = packed_row
-
-    def features(self) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        missing = [i for i in self.layer_ids if i not in self._hidden]
+    @classmethod
+    def of(cls, layer_ids: Sequence[int], records: Sequence[tuple[int, torch.Tensor, torch.Tensor | None]],
+           packed_row: torch.Tensor | None = None) -> "AuxFeatures":
+        """From the (layer id, hidden, residual or None) records of one forward."""
+        hidden = {i: h.reshape(-1, h.shape[-1]) for i, h, _ in records}
+        residual = {i: r.reshape(-1, r.shape[-1]) for i, _, r in records if r is not None}
+        missing = [i for i in layer_ids if i not in hidden]
         if missing:
-            raise RuntimeError(f"AuxHiddenCapture: no feature recorded for aux layers {missing}")
-        hidden = [self._hidden[i] for i in self.layer_ids]
-        if not self._residual:
-            return hidden, None
+            raise RuntimeError(f"AuxFeatures: no feature recorded for aux layers {missing}")
         # Some layers carry a separate residual (e.g. layer 0, the embeddings, has none): the
         # others add zeros. Rare (aux layer 0 only), so a zero tensor beats a second code path.
-        return hidden, [self._residual.get(i, torch.zeros_like(self._hidden[i])) for i in self.layer_ids]
+        both = tuple(residual.get(i, torch.zeros_like(hidden[i])) for i in layer_ids) if residual else None
+        return cls(tuple(hidden[i] for i in layer_ids), both, packed_row)
 
     def gather(
         self,
@@ -91,19 +70,44 @@ class AuxHiddenCapture:
         eps: float = 1e-6,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The drafter's fc input ``[N, n*H]`` for the recorded tokens at ``indices`` (-1 = padding)."""
-        hidden, residual = self.features()
-        if self._packed_row is not None:
-            indices = torch.where(indices >= 0, self._packed_row[indices.clamp(min=0)], -1)
+        """The drafter's fc input ``[N, n*H]`` for the tokens at ``indices`` (-1 = padding)."""
+        hidden, residual = list(self.hidden), None if self.residual is None else list(self.residual)
+        if self.packed_row is not None:
+            indices = torch.where(indices >= 0, self.packed_row[indices.clamp(min=0)], -1)
         if out is None:
             return gather_aux_hidden(hidden, indices, residual, norm_mode, norm_weight, eps)
         gather_aux_hidden_out(hidden, indices, out, residual, norm_mode, norm_weight, eps)
         return out
 
+
+class AuxHiddenCapture:
+    """Records the aux-layer features of a transformers model from hooks (:meth:`attach`): each
+    forward's streams entering the aux layers, kept by reference as ``[tokens, H]`` views;
+    :meth:`features` hands them out as :class:`AuxFeatures`."""
+
+    def __init__(self, layer_ids: Sequence[int]):
+        if len(layer_ids) == 0 or len(set(layer_ids)) != len(layer_ids):
+            raise ValueError(f"AuxHiddenCapture: layer_ids must be non-empty and unique, got {list(layer_ids)}")
+        self.layer_ids = list(layer_ids)
+        self._hidden: dict[int, torch.Tensor] = {}
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+
+    def record(self, layer_id: int, hidden: torch.Tensor) -> None:
+        """Keeps (a flat view of) the stream entering layer ``layer_id`` if it is an aux layer."""
+        if layer_id in self.layer_ids:
+            self._hidden[layer_id] = hidden
+
+    def features(self) -> AuxFeatures:
+        """What the latest forward recorded."""
+        return AuxFeatures.of(self.layer_ids, [(i, h, None) for i, h in self._hidden.items()])
+
+    def gather(self, indices: torch.Tensor, norm_mode: str = "none", norm_weight: torch.Tensor | None = None,
+               eps: float = 1e-6, out: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`AuxFeatures.gather` of the latest forward's features."""
+        return self.features().gather(indices, norm_mode, norm_weight, eps, out)
+
     def clear(self) -> None:
         self._hidden.clear()
-        self._residual.clear()
-        self._packed_row = None
 
     @classmethod
     def attach(cls, model: nn.Module, layer_ids: Sequence[int] | None = None) -> "AuxHiddenCapture":

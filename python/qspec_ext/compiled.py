@@ -61,9 +61,7 @@ def _owning_results(fn, mode: str | None):
     CUDA graphs (reduce-overhead) replay into memory they own: a replay overwrites the tensors
     the last one returned. Decoding keeps them across calls (the tokens, the drafter's state), so
     on CUDA each call starts a new graph step and its results are copied out of the graph's
-    memory (as torch.compiler.cudagraph_mark_step_begin asks); on CPU fn is returned as is.
-    Tensors a call leaves inside an object it keeps (the target's ``capture``) are valid until the
-    next compiled call only, and decoding reads them before it."""
+    memory (as torch.compiler.cudagraph_mark_step_begin asks); on CPU fn is returned as is."""
     if mode != "reduce-overhead":
         return fn
 

@@ -4,8 +4,8 @@ next token, repeat; plain decoding is the same loop with one target forward per 
 
 Each speculative step: the drafting strategy proposes drafts from the drafter's state (a chain,
 P-EAGLE's parallel drafts or a tree: see drafting/) -> target.forward([last, drafts]) -> the
-strategy verifies them and commits the accepted path -> gather_aux_hidden of the accepted rows ->
-drafter.prefill of those pairs (which also rewinds the drafter's cache) gives the next state; the
+strategy verifies them and commits the accepted path -> the drafter's input from the features the
+forward returned (gather_aux_hidden of the accepted rows) -> drafter.prefill of those pairs (which also rewinds the drafter's cache) gives the next state; the
 target's cache is rewound the same way, by the next step's positions. All of that is one
 device-side function (:meth:`SpeculativeDecoder._step`); the only host synchronization per step
 reads the tokens and accepted counts, which stopping needs. ``compile=True`` runs that step as one static-shape graph
@@ -286,14 +286,15 @@ def _decode(target, steps, prompts: list[list[int]], max_new_tokens: int, sampli
 
     # Prefill: the target reads the prompts and picks the first token.
     tokens, positions = _prefill_inputs(prompts, device)
-    first = sampler.pick(target(tokens, positions, last_only=True))
+    prefill = target(tokens, positions, last_only=True)
+    first = sampler.pick(prefill.logits)
     sampler.observe(first[:, None])
     generated: list[list[int]] = [[] for _ in prompts]
     new, stop = _read_tokens(first[:, None], stops)
     done = [_finish(g, n, max_new_tokens, s, on_tokens, b) for b, (g, n, s) in enumerate(zip(generated, new, stop))]
     stats.first_token_time = time.perf_counter() - start
     lengths = torch.tensor([len(p) for p in prompts], device=device)
-    steps.start(tokens, positions, lengths, first)  # (the drafter's prefill counts as decode time)
+    steps.start(tokens, positions, lengths, first, prefill.features)  # (the drafter's prefill counts as decode time)
 
     last, position = first, lengths  # the newest token and its position (not yet in the target's cache)
     position_host = [len(p) for p in prompts]  # per request
@@ -336,6 +337,16 @@ def _decode(target, steps, prompts: list[list[int]], max_new_tokens: int, sampli
     return GenerateResult(generated, stats)
 
 
+def drafter_input(drafter, features, rows: torch.Tensor) -> torch.Tensor:
+    """The drafter's fc input ``[*rows.shape, n*H]``: the target's features (:class:`AuxFeatures` of
+    one forward) at its rows ``rows`` (-1: none), normalized as the drafter's fc expects."""
+    norm_mode, norm_weight = drafter.fc_norm_mode()
+    fc_input = features.gather(rows.reshape(-1), norm_mode, norm_weight, drafter.config.rms_norm_eps)
+    return fc_input.view(*rows.shape, -1)
+
+
+
+
 class _PlainSteps:
     """The loop's steps without a drafter: one target forward and one pick per token."""
 
@@ -348,7 +359,7 @@ class _PlainSteps:
     def setup(self, batch: int, cache_length: int) -> None:
         pass
 
-    def start(self, tokens, positions, lengths, first) -> None:
+    def start(self, tokens, positions, lengths, first, features) -> None:
         pass
 
     def keep_requests(self, rows: list[int], lengths: list[int], index: torch.Tensor) -> None:
@@ -356,7 +367,7 @@ class _PlainSteps:
 
     def step(self, last, position, active, sampler) -> tuple:
         """(the new token [B, 1], no accepted drafts (None), the new token, its position)."""
-        logits = self.forward(last[:, None], torch.where(active, position, -1)[:, None])[:, 0]
+        logits = self.forward(last[:, None], torch.where(active, position, -1)[:, None]).logits[:, 0]
         token = sampler.pick(logits)
         sampler.observe(token[:, None])
         return token[:, None], None, token, position + 1
@@ -383,6 +394,7 @@ class SpeculativeDecoder:
                  topk: int = 1, num_draft_tokens: int | None = None, compile: bool = False,
                  drafting: Drafting | None = None, adaptive: bool = False):
         check_int("SpeculativeDecoder", "num_speculative_tokens", num_speculative_tokens, 1, 32)
+        check_int("SpeculativeDecoder", "topk", topk, 1, 64)
         if max_length is not None:
             check_int("SpeculativeDecoder", "max_length", max_length, 2)
         check_pair(target, drafter)
@@ -443,8 +455,8 @@ class SpeculativeDecoder:
         penalty = None if sampler.seen is None else sampler.draft_penalty()
         proposal = drafting.propose(root, state, penalty, context)
         tokens = torch.cat([last[:, None], proposal.draft_ids], dim=1)
-        logits = target(tokens, torch.where(active[:, None], position[:, None] + proposal.depths, -1), tree=proposal.tree)
-        logits = sampler.penalize(logits, proposal.draft_ids)
+        verified = target(tokens, torch.where(active[:, None], position[:, None] + proposal.depths, -1), tree=proposal.tree)
+        logits = sampler.penalize(verified.logits, proposal.draft_ids)
         if seeds is not None:
             logits = sampler.process(logits)
         out, accepted, path = drafting.verify(proposal, logits, seeds, position + 1)
@@ -455,11 +467,9 @@ class SpeculativeDecoder:
         batch, width = tokens.shape[0], drafting.max_depth + 1
         on_path = (path[:, :width] >= 0) & active[:, None]
         rows = torch.where(on_path, torch.arange(batch, device=last.device)[:, None] * tokens.shape[1] + path[:, :width], -1)
-        norm_mode, norm_weight = drafter.fc_norm_mode()
-        fc_input = target.capture.gather(rows.reshape(-1), norm_mode, norm_weight, drafter.config.rms_norm_eps)
         pair_positions = torch.where(on_path, position[:, None] + torch.arange(width, device=last.device), -1)
-        _, state = drafter.prefill(fc_input.view(batch, width, -1), out[:, :width].clamp(min=0), pair_positions,
-                                   normalized=True, last_only=True, packed=not self.compiled, check_bounds=False)
+        state = drafter.prefill_last(drafter_input(drafter, verified.features, rows), out[:, :width].clamp(min=0),
+                                     pair_positions, packed=not self.compiled)
         return out, accepted, out.gather(1, accepted[:, None])[:, 0], position + accepted + 1, state
 
 
@@ -482,18 +492,15 @@ class _SpeculativeSteps:
         if self.decoder.drafting.needs_context:  # the last column takes the writes of tokens not kept
             self.context = torch.zeros(batch, cache_length + 1, dtype=torch.long, device=self.decoder.drafter.device)
 
-    def start(self, tokens, positions, lengths, first) -> None:
+    def start(self, tokens, positions, lengths, first, features) -> None:
         """The drafter reads the pairs (feature of prompt token t, prompt token t+1 or the first
-        new token)."""
-        target, drafter = self.decoder.target, self.decoder.drafter
+        new token); ``features``: the target's prefill's."""
+        drafter = self.decoder.drafter
         batch, device = tokens.shape[0], tokens.device
         pair_tokens = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)
         pair_tokens[torch.arange(batch, device=device), lengths - 1] = first
         rows = torch.where(positions >= 0, torch.arange(tokens.numel(), device=device).view_as(tokens), -1)
-        norm_mode, norm_weight = drafter.fc_norm_mode()
-        fc_input = target.capture.gather(rows.reshape(-1), norm_mode, norm_weight, drafter.config.rms_norm_eps)
-        _, self.state = drafter.prefill(fc_input.view(batch, tokens.shape[1], -1), pair_tokens, positions,
-                                        normalized=True, last_only=True, check_bounds=False)
+        self.state = drafter.prefill_last(drafter_input(drafter, features, rows), pair_tokens, positions, packed=True)
         if self.seed is not None:
             self.seeds = torch.tensor([self.seed * 1_000_003 + b for b in range(batch)], device=device)
         if self.context is not None:
@@ -552,19 +559,16 @@ class _AdaptiveSteps(_SpeculativeSteps):
         return out, accepted, last, position
 
     def _plain_step(self, last, position, active, sampler) -> tuple[torch.Tensor, ...]:
-        target, drafter = self.decoder.target, self.decoder.drafter
         pair_position = torch.where(active, position, -1)
-        logits = self.forward(last[:, None], pair_position[:, None])[:, 0]
-        token = sampler.pick(logits)
+        output = self.forward(last[:, None], pair_position[:, None])
+        token = sampler.pick(output.logits[:, 0])
         sampler.observe(token[:, None])
-        rows = torch.where(active, torch.arange(last.shape[0], device=last.device), -1)
-        norm_mode, norm_weight = drafter.fc_norm_mode()
-        fc_input = target.capture.gather(rows, norm_mode, norm_weight, drafter.config.rms_norm_eps)
-        self.waiting.append((fc_input[:, None], token[:, None], pair_position[:, None]))
+        rows = torch.where(active, torch.arange(last.shape[0], device=last.device), -1)[:, None]
+        self.waiting.append((drafter_input(self.decoder.drafter, output.features, rows), token[:, None],
+                             pair_position[:, None]))
         return token[:, None], torch.zeros_like(position), token, position + 1
 
     def _prefill_waiting(self) -> None:
         fc_input, tokens, positions = (torch.cat(parts, dim=1) for parts in zip(*self.waiting))
         self.waiting = []
-        _, self.state = self.decoder.drafter.prefill(fc_input, tokens, positions, normalized=True, last_only=True,
-                                                     check_bounds=False)
+        self.state = self.decoder.drafter.prefill_last(fc_input, tokens, positions, packed=True)

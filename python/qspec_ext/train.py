@@ -14,7 +14,6 @@ quarter is the target's own greedy continuation (self-distillation: the drafter 
 text greedy decoding will ask it to draft), regenerated a pool of windows at a time.
 """
 
-import ctypes
 import dataclasses
 import json
 import math
@@ -23,7 +22,7 @@ import random
 import time
 from collections import Counter
 from dataclasses import dataclass
-from functools import cache, partial
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -32,6 +31,7 @@ import torch.nn.functional as F
 from . import reference
 from .arguments import check_bool, check_float, check_int
 from .capture import default_aux_layer_ids
+from .heap import keep_freed_memory, trim_heap
 from .models import Eagle3Config, Eagle3Drafter
 from .models.layers import rms
 from .rope import rope_config, rope_cos_sin_cache
@@ -60,7 +60,7 @@ class TrainConfig:
     regenerate: bool = False  # train on the target's greedy continuations of corpus prompts
     bf16: bool = False  # the drafter's forward and backward under bf16 autocast (fp32 weights, optimizer, loss)
     # The chain's TTT loss (forward and backward) as one compiled graph; P-EAGLE's sampled node
-    # count changes every step, and compiling it with dynamic shapes gained only ~15%: eager.
+    # count changes every step (dynamic shapes): eager.
     compile: bool = False
     # Every this many steps the whole training state goes to out_dir/checkpoint.pt, and a run
     # that finds one there resumes from it (a run may span sessions); None: no checkpoints.
@@ -205,8 +205,9 @@ class TargetFeatures:
         for (ids, _), row in tqdm(zip(sequences, starts.tolist()), total=len(sequences), desc="target features",
                                   disable=not progress):
             n = len(ids)
-            logits = target(tokens[row : row + n].to(target.device)[None], torch.arange(n, device=target.device)[None])
-            rows = target.capture.gather(torch.arange(n, device=target.device))
+            logits, captured = target(tokens[row : row + n].to(target.device)[None],
+                                      torch.arange(n, device=target.device)[None])
+            rows = captured.gather(torch.arange(n, device=target.device))
             if features is None:
                 features = torch.empty(len(tokens), rows.shape[1], dtype=torch.bfloat16)
             features[row : row + n] = rows.cpu()
@@ -657,38 +658,14 @@ def draft_vocabulary(sequences: list[tuple[list[int], int]], vocab_size: int, si
     return counts, torch.tensor(sorted(frequent | {next(unseen) for _ in range(size - len(frequent))}))
 
 
-def keep_freed_memory() -> bool:
-    """Keeps freed memory in this process's heap (glibc; elsewhere nothing: False). By default
-    glibc hands every block over 32 MB back to the OS when it is freed, so each training step's
-    large temporaries page-fault again, zeroed, on first touch: on 2 cores a step spent a third of
-    its time in the kernel and ran at half speed (3.7 s against 1.85 s, SmolLM2's chain drafter).
-    Kept, the free blocks fragment and the heap grows (9 MB a step there: 23 GB after 1400 steps)
-    unless :func:`release_freed_memory` runs now and then."""
-    libc = _libc()
-    if libc is None:
-        return False
-    m_trim_threshold, m_mmap_max = -1, -4  # glibc's mallopt parameters
-    return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
+def keep_training_memory() -> bool:
+    """A training step's large temporaries stay in the heap (never mapped on their own, nothing
+    trimmed; heap.py). Kept, the free blocks fragment and the heap grows, so the loop calls
+    :func:`~qspec_ext.heap.trim_heap` every :data:`RELEASE_EVERY` steps."""
+    return keep_freed_memory(trim_threshold=2**31 - 1)
 
 
-def release_freed_memory() -> None:
-    """Returns the heap's free pages to the OS (glibc's malloc_trim): measured on the run above,
-    9.2 GB anonymous memory down to 3.2, the step's working set faulted in again once."""
-    libc = _libc()
-    if libc is not None:
-        libc.malloc_trim(0)
-
-
-@cache
-def _libc():
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return None
-    return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
-
-
-RELEASE_EVERY = 25  # steps between release_freed_memory calls
+RELEASE_EVERY = 25  # steps between trim_heap calls
 
 
 def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: str = "cpu", progress: bool = True,
@@ -703,7 +680,7 @@ def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: 
     the end (once per step, also across resumes); its results, with the step and the trained rows
     seen so far, go to history.json's "evaluations"."""
     check_train_config(config)
-    keep_freed_memory()
+    keep_training_memory()
     missing = [str(f) for f in data_files if not Path(f).is_file()]
     if missing:
         raise FileNotFoundError(f"train_drafter: data files not found: {missing}")
@@ -829,7 +806,7 @@ def train_drafter(target_dir, data_files, out_dir, config: TrainConfig, device: 
         history.append((float(loss.detach()), accuracies.tolist()))
         bar.set_postfix(loss=f"{history[-1][0]:.3f}", acc=" ".join(f"{a:.2f}" for a in history[-1][1]))
         if (step + 1) % RELEASE_EVERY == 0:
-            release_freed_memory()
+            trim_heap()
         if config.checkpoint_every is not None and (step + 1) % config.checkpoint_every == 0 and step + 1 < config.steps:
             Path(out_dir).mkdir(parents=True, exist_ok=True)
             partial_file = checkpoint.with_suffix(".tmp")

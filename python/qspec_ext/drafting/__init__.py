@@ -13,43 +13,22 @@ The drafter (models/eagle3.py) is the network: its forward, and its prefill, whi
 :class:`~qspec_ext.models.eagle3.DraftState` these strategies draft from.
 """
 
-from typing import Protocol
-
-import torch
-
 from ..arguments import check_int
-from ..models.eagle3 import DraftState
-from .chain import ChainDrafting, Penalty, Proposal, chain_logits
+from .base import Drafting, Penalty, Proposal
+from .chain import ChainDrafting, chain_logits
 from .lookup import LookupDrafting, LookupTreeDrafting, lookup_drafts
 from .parallel import ParallelDrafting, parallel_logits
 from .tree import TreeDrafting, tree_draft
 
-__all__ = ["ChainDrafting", "Drafting", "LookupDrafting", "LookupTreeDrafting", "ParallelDrafting", "Proposal", "TreeDrafting", "chain_logits",
-           "lookup_drafts", "make_drafting", "parallel_logits", "tree_draft"]
-
-
-class Drafting(Protocol):
-    kind: str  # "chain", "parallel", "tree" or "lookup"
-    topk: int  # children per node (1: a chain)
-    max_depth: int  # most drafts one step can accept
-    num_draft_tokens: int  # rows the target verifies past the last token
-    cache_margin: int  # positions past a request's new tokens that a step may write
-    needs_context: bool  # propose reads each request's tokens by position (context [B, L])
-
-    def propose(self, root: torch.Tensor, state: DraftState, penalty: Penalty | None = None,
-                context: torch.Tensor | None = None) -> Proposal: ...
-
-    def verify(self, proposal: Proposal, logits: torch.Tensor, seeds: torch.Tensor | None,
-               offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
-
-    def commit(self, proposal: Proposal, path: torch.Tensor) -> None: ...
+__all__ = ["ChainDrafting", "Drafting", "LookupDrafting", "LookupTreeDrafting", "ParallelDrafting", "Penalty", "Proposal",
+           "TreeDrafting", "chain_logits", "lookup_drafts", "make_drafting", "parallel_logits", "tree_draft"]
 
 
 def make_drafting(target, drafter, num_speculative_tokens: int, topk: int = 1,
                   num_draft_tokens: int | None = None, check_bounds: bool = True) -> Drafting:
     """The strategy for these settings: a tree when topk > 1, else the drafter's own kind
     (P-EAGLE drafters draft in parallel, EAGLE-3 drafters in a chain)."""
-    where = "SpeculativeDecoder"
+    where = "make_drafting"
     check_int(where, "topk", topk, 1, 64)
     if topk == 1:
         if num_draft_tokens is not None and num_draft_tokens != num_speculative_tokens:

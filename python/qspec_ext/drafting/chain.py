@@ -1,27 +1,11 @@
 """Chain drafting: k sequential EAGLE-3 draft steps, verified as a chain."""
 
-from dataclasses import dataclass
-
 import torch
 
 from ..models.eagle3 import DraftState
-from ..models.layers import TreeAttention
 from ..ops import verify_greedy, verify_sampling
 from ..sampling import apply_repetition_penalty
-
-# (repetition penalty, the tokens each request has seen [B, V] bool), as the loop's sampler gives it
-Penalty = tuple[float, torch.Tensor]
-
-
-@dataclass
-class Proposal:
-    """One step's drafts. The target reads [last token, draft_ids] at positions
-    position + depths; ``tree`` (trees only) says where they go and what they see."""
-
-    draft_ids: torch.Tensor  # [B, N] target-vocab ids
-    depths: torch.Tensor  # [B or 1, N+1]: the depth of each row (0 = the last verified token)
-    parents: torch.Tensor | None = None  # [B, N] (trees)
-    tree: TreeAttention | None = None
+from .base import Penalty, Proposal
 
 
 def in_draft_vocabulary(drafter, penalty: Penalty | None) -> Penalty | None:
@@ -49,7 +33,7 @@ def chain_logits(drafter, state: DraftState, k: int, penalty: Penalty | None = N
         if seen is not None:
             seen = seen.scatter(1, choice[:, None], True)
         token = drafter.draft_to_target(choice)
-        step_logits, hidden = drafter(hidden[:, None], token[:, None], position[:, None], from_features=False)
+        step_logits, hidden = drafter.step(hidden[:, None], token[:, None], position[:, None])
         logits = step_logits[:, 0]
         rows[:, i] = logits = logits if seen is None else apply_repetition_penalty(logits, seen, factor)
         hidden, position = hidden[:, 0], position + 1

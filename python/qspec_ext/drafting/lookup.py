@@ -16,7 +16,8 @@ import torch
 from ..arguments import check_int
 from ..models.eagle3 import DraftState
 from ..models.layers import TreeAttention, tree_ancestors
-from .chain import ChainDrafting, Penalty, Proposal
+from .base import Penalty, Proposal, check_propose
+from .chain import ChainDrafting
 from .tree import TreeDrafting
 
 
@@ -68,9 +69,7 @@ class LookupDrafting(ChainDrafting):
     def propose(self, root: torch.Tensor, state: DraftState, penalty: Penalty | None = None,
                 context: torch.Tensor | None = None) -> Proposal:
         """``context [B, L]``: each request's tokens by position through ``root`` (its newest)."""
-        if context is None:
-            raise ValueError("LookupDrafting.propose: needs each request's tokens (context); the decode loop gives "
-                             "them to a drafting with needs_context")
+        check_propose(self, penalty, context)
         copied, found = lookup_drafts(context, root + 1, self.k, self.ngram)
         drafts = torch.where(found[:, None], copied, self.draft(state, penalty))
         return Proposal(drafts, torch.arange(self.k + 1, device=root.device)[None])
@@ -98,10 +97,7 @@ class LookupTreeDrafting(TreeDrafting):
 
     def propose(self, root: torch.Tensor, state: DraftState, penalty=None,
                 context: torch.Tensor | None = None) -> Proposal:
-        if penalty is not None:
-            raise ValueError("LookupTreeDrafting: a repetition penalty runs with chain and parallel drafting, not trees")
-        if context is None:
-            raise ValueError("LookupTreeDrafting.propose: needs each request's tokens (context)")
+        check_propose(self, penalty, context)
         tree_ids, tree_parents = self.draft(state)
         copied, _ = lookup_drafts(context, root + 1, self.lookup_tokens, self.ngram)
         batch, n = copied.shape[0], self.lookup_tokens

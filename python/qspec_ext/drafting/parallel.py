@@ -5,7 +5,8 @@ import torch
 
 from ..models.eagle3 import DraftState
 from ..sampling import apply_repetition_penalty
-from .chain import ChainDrafting, Penalty, in_draft_vocabulary
+from .base import Penalty
+from .chain import ChainDrafting, in_draft_vocabulary
 
 
 def parallel_logits(drafter, state: DraftState, k: int) -> torch.Tensor:
@@ -19,7 +20,7 @@ def parallel_logits(drafter, state: DraftState, k: int) -> torch.Tensor:
     positions = state.next_position[:, None] + torch.arange(k - 1, device=first.device)
     tokens = torch.full_like(positions, drafter.config.mask_token_id)
     features = drafter.mask_hidden.expand(B, k - 1, -1)
-    slots, _ = drafter(features, tokens, positions, from_features=True)
+    slots = drafter.parallel_slots(features, tokens, positions)
     return torch.cat([first, slots.float()], dim=1)
 
 

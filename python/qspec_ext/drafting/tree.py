@@ -8,7 +8,7 @@ from ..arguments import check_int
 from ..models.eagle3 import DraftState
 from ..models.layers import TreeAttention, tree_ancestors
 from ..ops import verify_tree_greedy, verify_tree_sampling
-from .chain import Proposal
+from .base import Proposal, check_propose
 
 
 def tree_draft(drafter, state: DraftState, depth: int, topk: int,
@@ -48,7 +48,7 @@ def tree_draft(drafter, state: DraftState, depth: int, topk: int,
         seen.scatter_(2, lineage, True)
         tree = TreeAttention(start, seen, drafter.max_length, first=step * topk)
         positions = (start + step)[:, None].expand(B, topk)
-        logits, x_next = drafter(hidden, drafter.draft_to_target(beam_tokens), positions, False, tree=tree)
+        logits, x_next = drafter.tree_step(hidden, drafter.draft_to_target(beam_tokens), positions, tree)
         child_scores, child_tokens = torch.log_softmax(logits.float(), dim=-1).topk(topk, dim=-1)
         total = (beam_scores[..., None] + child_scores).view(B, topk * topk)
         scores.append(total)
@@ -79,7 +79,7 @@ class TreeDrafting:
 
     def __init__(self, target, drafter, depth: int, topk: int, num_draft_tokens: int | None,
                  check_bounds: bool = True):
-        where = "SpeculativeDecoder"
+        where = type(self).__name__
         if not target.capabilities.trees:
             raise ValueError(f"{where}: tree drafting (topk > 1) needs a target that runs tree attention "
                              f"(NativeTarget); {type(target).__name__} verifies chains only")
@@ -108,8 +108,7 @@ class TreeDrafting:
         return tree_draft(self.drafter, state, self.depth, self.topk, self.num_draft_tokens)
 
     def propose(self, root: torch.Tensor, state: DraftState, penalty=None, context=None) -> Proposal:
-        if penalty is not None:
-            raise ValueError("TreeDrafting: a repetition penalty runs with chain and parallel drafting, not trees")
+        check_propose(self, penalty, context)
         draft_ids, parents = self.draft(state)
         ancestors = tree_ancestors(parents)
         depths = ancestors.sum(-1) - 1

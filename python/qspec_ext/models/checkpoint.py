@@ -18,6 +18,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..heap import keep_freed_memory, trim_heap
+
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded as asked; the message names the file and key."""
@@ -222,35 +224,12 @@ def _madvise():
 
 
 @functools.cache
-def _malloc_trim():
-    return getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc's; None elsewhere
-
-
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
-
-
 @functools.cache
 def reuse_freed_heap() -> None:
-    """Keeps the C heap's freed memory mapped for the next allocation (glibc's ``mallopt``: blocks up
-    to 32 MiB, its most, come from the heap, and free memory at its top stays up to 1 GiB; elsewhere
-    nothing). Every forward allocates and frees its activations: with glibc's defaults a large one
-    is mapped afresh and unmapped on free, and each first touch of a fresh page faults (a 3280 x
-    768 fp32 projection took 10.0 ms instead of 5.3, tiny-pair decoding at batch 8 ran 7-17%
-    slower: benchmarks/HISTORY.md). Peak memory is unchanged; :func:`trim_heap` still returns
-    free pages when called. Process-wide and once: called by CPU inference setup (static_caches)."""
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
-    if mallopt is not None:
-        mallopt(_M_MMAP_THRESHOLD, 32 << 20)
-        mallopt(_M_TRIM_THRESHOLD, 1 << 30)
-
-
-def trim_heap() -> None:
-    """Returns the C heap's free pages to the system (glibc's ``malloc_trim``; elsewhere nothing).
-    Loading and packing free hundreds of MB in pieces (parts of fused projections, weights handed
-    over to packed copies) that glibc keeps mapped, counted in the process's resident memory."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
+    """Every decode step allocates and frees its activations: blocks up to 32 MiB come from the heap
+    and up to 1 GiB of free memory stays at its top (heap.py). Peak memory is unchanged. Once per
+    process: called by CPU inference setup (static_caches)."""
+    keep_freed_memory(trim_threshold=1 << 30, mmap_threshold=32 << 20)
 
 
 def save_tensors(directory: str | Path, tensors: dict[str, torch.Tensor], config: dict) -> None:

@@ -65,7 +65,10 @@ class DecoderLayer(nn.Module):
 class DraftState:
     """What the next draft step needs per request: made by :meth:`Eagle3Drafter.prefill`, read by
     the drafting strategies (qspec_ext.drafting). It is passed explicitly, never kept on the
-    drafter: a compiled decode step takes it as an input and returns the next one."""
+    drafter: a compiled decode step takes it as an input and returns the next one. Functional, not
+    buffers from ``setup`` written with ``copy_``: a compiled step (a CUDA graph) would then mutate
+    its own inputs, and the step after a finished request left the batch would need the buffers
+    resized; three small tensors a step cost nothing next to the step."""
 
     logits: torch.Tensor  # [B, Vd] draft logits at the last prefilled pair
     hidden: torch.Tensor  # [B, H] x_next of that pair
@@ -101,8 +104,9 @@ class Eagle3Drafter(nn.Module):
             self.d2t = self.t2d = None
         self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # the live requests' slots of allocated
         self.allocated: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.max_length = 0
+        self.max_length = self.batch_size = 0
         self.cos_sin: torch.Tensor | None = None
+        self.embeddings_borrowed = False  # the embeddings are the target's: saved checkpoints leave them out
 
     # ------------------------------------------------------------------ caches
     @property
@@ -156,29 +160,78 @@ class Eagle3Drafter(nn.Module):
             return "norm_before_fc", self.input_norm.weight
         return "none", None
 
-    def forward(
-        self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, from_features: bool,
-        normalized: bool = False, tree: TreeAttention | None = None, last_only: bool = False,
-        packed: bool | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One pass over pairs: hidden ``[B, T, n*H]`` features (from_features; already the
-        normalized fc input when ``normalized``) or ``[B, T, H]`` x_next; tokens, positions
-        ``[B, T]`` (position -1 = padding). Returns logits ``[B, T, Vd]`` and x_next ``[B, T, H]``
-        (``[B, Vd]``, ``[B, H]`` at each request's last position with ``last_only``: the final
-        norm and lm_head run on those rows only); writes the pairs' K/V into the cache (at the
-        slots of ``tree`` when the pairs are tree nodes, which then attend to the context and
-        their ancestors only). ``packed`` (with last_only): the valid rows run without the grid's
-        padding, a data-dependent shape that a static-shape compiled graph cannot take (default:
-        packed unless being compiled)."""
+    # Entry points: prefill (pairs from the target's features, every row's logits), prefill_last
+    # (the decode loop's: each request's last pair only), step (a chain draft step from x_next),
+    # tree_step (a level of a draft tree) and parallel_slots (P-EAGLE's mask slots). Each writes
+    # its pairs' K/V into the cache; all run _pairs.
+
+    def step(self, x_next: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """One chain draft step: x_next ``[B, T, H]`` of the pairs before, their next tokens and
+        positions ``[B, T]`` (-1 = padding). Returns logits ``[B, T, Vd]`` and x_next ``[B, T, H]``."""
+        return self._pairs(x_next, tokens, self._positions(positions), from_features=False)
+
+    forward = step  # calling the module runs a draft step
+
+    def tree_step(self, x_next: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                  tree: TreeAttention) -> tuple[torch.Tensor, ...]:
+        """A draft step whose pairs are tree nodes: their K/V go to the slots of ``tree``, and each
+        attends to the context and its ancestors only."""
+        return self._pairs(x_next, tokens, self._positions(positions, tree), from_features=False)
+
+    def parallel_slots(self, features: torch.Tensor, tokens: torch.Tensor,
+                       positions: torch.Tensor) -> torch.Tensor:
+        """P-EAGLE: the logits ``[B, T, Vd]`` of pairs from raw features ``[B, T, n*H]`` (mask slots)."""
+        return self._pairs(features, tokens, self._positions(positions), from_features=True)[0]
+
+    @torch.no_grad()
+    def prefill(self, aux_features: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
+                check_bounds: bool = True) -> tuple[torch.Tensor, DraftState]:
+        """Runs pairs (raw features ``[B, T, n*H]`` of token t, token t+1) at ``positions`` (``[B,
+        T]``, -1 = padding) through the drafter, filling the KV cache. Returns the draft logits
+        ``[B, T, Vd]`` and the :class:`DraftState` that the next drafts start from (each request's
+        last pair). Positions earlier than the cache holds rewind it. ``check_bounds``: positions
+        past the cache are an error (a host synchronization)."""
+        if check_bounds:
+            self._check_bounds(positions)
+        logits, x_next = self._pairs(aux_features, next_tokens, self._positions(positions), from_features=True)
+        last = (torch.arange(positions.shape[0], device=positions.device), positions.argmax(dim=1))
+        return logits, DraftState(logits[last].float(), x_next[last], positions[last] + 1)
+
+    @torch.no_grad()
+    def prefill_last(self, fc_input: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
+                     packed: bool) -> DraftState:
+        """What decoding runs after each verification: pairs whose features are already the fc input
+        (gathered with :meth:`fc_norm_mode`), the lm_head and the last layer's attention and MLP on
+        each request's last pair only. ``packed``: the valid rows run without the grid's padding, a
+        data-dependent shape (eager only; the decode loop decides once per generate call). Unchecked:
+        the loop sizes the cache for every step."""
+        at = self._positions(positions, packed=packed)
+        logits, x_next = self._pairs(fc_input, next_tokens, at, from_features=True, normalized=True,
+                                     last=at.last_tokens())
+        last = positions.argmax(dim=1)
+        return DraftState(logits.float(), x_next, positions[torch.arange(positions.shape[0], device=last.device), last] + 1)
+
+    def _check_bounds(self, positions: torch.Tensor) -> None:
+        top = int(positions.max())
+        if top >= self.max_length:
+            raise ValueError(f"Eagle3Drafter.prefill: position {top} beyond the cache ({self.max_length})")
+
+    def _positions(self, positions: torch.Tensor, tree: TreeAttention | None = None,
+                   packed: bool = False) -> CachedPositions:
+        B = positions.shape[0]
+        if B != self.batch_size or not self.caches:
+            raise RuntimeError(f"Eagle3Drafter: call setup({B}, max_length) first (set up for {self.batch_size})")
+        return CachedPositions(positions, self.max_length, tree, packed=packed)
+
+    def _pairs(self, hidden: torch.Tensor, tokens: torch.Tensor, at: CachedPositions, from_features: bool,
+               normalized: bool = False, last=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cached pass over pairs: hidden ``[B, T, n*H]`` features (from_features; already the
+        fc input when ``normalized``) or ``[B, T, H]`` x_next. ``last`` (a prefill's
+        ``at.last_tokens()``): the last layer attends, and runs its MLP, the final norm and the
+        lm_head, for those rows only (every row's K/V is still written); the results are then
+        ``[B, Vd]`` and ``[B, H]``."""
         c, o = self.config, self.ops
         B, T = tokens.shape
-        if B != self.batch_size or not self.caches:
-            raise RuntimeError(f"Eagle3Drafter: call setup({B}, max_length) first (set up for {getattr(self, 'batch_size', None)})")
-        # last_only (a prefill): the last layer attends, and runs its MLP, for each request's last
-        # token only (every token's K/V is still written).
-        if packed is None:
-            packed = not torch.compiler.is_compiling()
-        at = CachedPositions(positions, self.max_length, tree, packed=last_only and packed)
         if from_features:
             features = at.tokens(hidden.reshape(B * T, -1))
             x = self.fc(features if normalized else self.fc_input(features))
@@ -186,7 +239,6 @@ class Eagle3Drafter(nn.Module):
             x = at.tokens(hidden.reshape(B * T, -1))
         embeds = self.embed_tokens(at.tokens(tokens.reshape(-1)))
         residual = out = None
-        last = at.last_tokens() if last_only else None
         for i, layer in enumerate(self.layers):
             if i == 0:
                 u, residual = o.eagle3_input_norm(
@@ -205,7 +257,7 @@ class Eagle3Drafter(nn.Module):
         o.fused_add_rms_norm_(out, residual, self.norm.weight, c.rms_norm_eps)  # out = z, residual = h
         logits = self.lm_head(out)
         x_next = out if c.norm_output else residual
-        if last_only:
+        if last is not None:
             return logits, x_next
         return logits.view(B, T, -1), x_next.view(B, T, -1)
 
@@ -213,30 +265,6 @@ class Eagle3Drafter(nn.Module):
         """The differentiable path's draft logits and x_next of the last layer's output h."""
         z = rms(h, self.norm.weight, self.config.rms_norm_eps)
         return self.lm_head(z), (z if self.config.norm_output else h)
-
-    # ------------------------------------------------------------------ prefill
-    @torch.no_grad()
-    def prefill(self, aux_features: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
-                normalized: bool = False, last_only: bool = False, packed: bool | None = None,
-                check_bounds: bool = True) -> tuple[torch.Tensor, DraftState]:
-        """Runs pairs (features of token t, token t+1) at ``positions`` (``[B, T]``, -1 = padding)
-        through the drafter, filling the KV cache. Returns draft logits ``[B, T, Vd]`` (``[B, Vd]``
-        of each request's last pair with ``last_only``, which skips the lm_head of the other rows:
-        what decoding uses) and the :class:`DraftState` that the next drafts start from (each
-        request's last pair). Also used after a verification with the accepted tokens (positions
-        rewind the cache). ``normalized``: the features are already the fc input (gathered with
-        :meth:`fc_norm_mode`). ``packed``: as :meth:`forward`'s. ``check_bounds``: positions past
-        the cache are an error (a host synchronization; the decode loop sizes the cache once per
-        generate call and skips it)."""
-        if check_bounds:
-            top = int(positions.max())
-            if top >= self.max_length:
-                raise ValueError(f"Eagle3Drafter.prefill: position {top} beyond the cache ({self.max_length})")
-        logits, x_next = self(aux_features, next_tokens, positions, True, normalized, last_only=last_only,
-                              packed=packed)
-        last = (torch.arange(positions.shape[0], device=positions.device), positions.argmax(dim=1))
-        last_logits, last_x = (logits, x_next) if last_only else (logits[last], x_next[last])
-        return logits, DraftState(last_logits.float(), last_x, positions[last] + 1)
 
     def check_draft_room(self, where: str, state: DraftState, slots: int, what: str) -> None:
         """``slots`` draft positions from each request's next position fit the cache (a host sync)."""
@@ -300,6 +328,6 @@ class Eagle3Drafter(nn.Module):
     def save_pretrained(self, path) -> None:
         """Writes the speculators format (config.json + model.safetensors)."""
         tensors = self.state_dict()
-        if getattr(self, "embeddings_borrowed", False):
+        if self.embeddings_borrowed:
             tensors.pop("embed_tokens.weight")
         save_tensors(path, tensors, to_speculators(self.config))

@@ -14,11 +14,11 @@ import torch
 
 from ..models.checkpoint import CheckpointError, read_config
 from ..shipped import resolve_source
-from .base import Capabilities, Target
+from .base import Capabilities, Target, TargetOutput
 from .hf import HFTarget
 from .native import NATIVE_MODEL_TYPES, NativeTarget, unsupported
 
-__all__ = ["Capabilities", "HFTarget", "NativeTarget", "Target", "load_target"]
+__all__ = ["Capabilities", "HFTarget", "NativeTarget", "Target", "TargetOutput", "load_target"]
 
 
 def load_target(source, dtype: torch.dtype | None = None, device=None, aux_layer_ids: list[int] | None = None,

@@ -1,18 +1,24 @@
 """The interface every target implements (see targets/__init__.py for the kinds)."""
 
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
-from ..capture import AuxHiddenCapture
+from ..capture import AuxFeatures
+
+
+class TargetOutput(NamedTuple):
+    """What a target's forward returns: the logits and the aux features of the same rows."""
+
+    logits: torch.Tensor
+    features: AuxFeatures
 
 
 @dataclass(frozen=True)
 class Capabilities:
     """What a target can do beyond a chain forward; the decode loop asks these, never the class."""
 
-    static_cache: bool  # a preallocated KV cache, rewound by the next call's positions
     trees: bool  # tree attention in forward(tree=...) and commit_path after it
     compilable: bool  # forward traces as one static-shape graph (torch.compile fullgraph)
 
@@ -22,12 +28,11 @@ class Target(Protocol):
     """A causal LM the decode loop can drive.
 
     ``config`` has ``vocab_size``, ``hidden_size``, ``num_hidden_layers`` and
-    ``max_position_embeddings``; ``capture`` holds the aux features of :attr:`aux_layer_ids`
-    after each forward (for the drafter's fc input)."""
+    ``max_position_embeddings``; each forward returns its logits with the aux features of
+    :attr:`aux_layer_ids` (the drafter's fc input)."""
 
     config: Any
     aux_layer_ids: list[int]
-    capture: AuxHiddenCapture
     capabilities: Capabilities
     max_length: int
 
@@ -41,9 +46,10 @@ class Target(Protocol):
         """Prepares caches for ``batch_size`` requests of up to ``max_length`` positions."""
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, last_only: bool = False,
-                tree=None) -> torch.Tensor:
-        """Logits ``[B, T, V]`` of tokens ``[B, T]`` at positions ``[B, T]`` (-1 pads); a call
-        whose positions start below what the cache holds rewinds it."""
+                tree=None) -> "TargetOutput":
+        """Logits ``[B, T, V]`` of tokens ``[B, T]`` at positions ``[B, T]`` (-1 pads) and the aux
+        features of those B*T rows; a call whose positions start below what the cache holds
+        rewinds it."""
 
     def keep_requests(self, rows: list[int], lengths: list[int]) -> None:
         """The batch becomes requests ``rows`` (``rows[i] >= i``, distinct: request ``rows[i]`` is

@@ -55,8 +55,8 @@ import torch
 from torch import nn
 
 from ..arguments import check_aux_layer_ids
-from ..capture import AuxHiddenCapture, default_aux_layer_ids
-from .base import Capabilities
+from ..capture import AuxFeatures, AuxHiddenCapture, default_aux_layer_ids
+from .base import Capabilities, TargetOutput
 
 
 def _decoder(model: nn.Module) -> nn.Module | None:
@@ -116,24 +116,18 @@ class HFTargetStats:
     rollback_seconds: float = 0.0  # replay forwards + checkpoint/restore copies
     per_call: list[float] = field(default_factory=list, repr=False)
 
-    @property
-    def rollback_share(self) -> float:
-        return self.rollback_seconds / self.forward_seconds if self.forward_seconds else 0.0
-
 
 class _Clock:
-    """Accumulates seconds into HFTargetStats fields when profiling (device synchronized)."""
+    """Accumulates seconds into HFTargetStats fields when profiling (device synchronized), from its
+    creation on."""
 
     def __init__(self, target: "HFTarget", device):
         self.on = target.profile
         self.stats = target.stats
         self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-    def __enter__(self):
         if self.on:
             self.sync()
             self.start = time.perf_counter()
-        return self
 
     def add(self, name: str) -> None:
         if self.on:
@@ -141,9 +135,6 @@ class _Clock:
             now = time.perf_counter()
             setattr(self.stats, name, getattr(self.stats, name) + now - self.start)
             self.start = now
-
-    def __exit__(self, *exc):
-        return False
 
 
 class _Group:
@@ -235,9 +226,9 @@ class _Group:
         # columns at or after a row's first position are stale: masked out (and cropped at the end)
         self.valid &= self.col_pos < torch.tensor(first, device=self.device)[:, None]
         if linear:
-            with _Clock(self.target, self.device) as clock:
-                self._restore(restore, zero)
-                clock.add("rollback_seconds")
+            clock = _Clock(self.target, self.device)
+            self._restore(restore, zero)
+            clock.add("rollback_seconds")
         if not any(k in ("attention", "hybrid") for k in self.target._kinds):
             self.valid, self.col_pos = self.valid[:, :0], self.col_pos[:, :0]  # no KV columns to attend
         self._crop_tail()
@@ -259,7 +250,7 @@ class _Group:
             ids[g, offset[g] : offset[g] + lengths[g]] = r.tokens
             pos[g, offset[g] : offset[g] + lengths[g]] = torch.arange(r.start - r.replay, r.start + r.count, device=device)
         splits = sorted({requests[g].replay for g in active if requests[g].replay > 0})
-        clock = _Clock(target, device).__enter__()
+        clock = _Clock(target, device)
         self._checkpoint([g for g in active if requests[g].replay == 0])
         clock.add("rollback_seconds")
         bounds = [0] + splits + [W]
@@ -302,7 +293,7 @@ class _Group:
             if src:
                 src_t = torch.tensor(src, device=device)
                 dst_t = torch.tensor(dst, device=device)
-                hidden, _ = target._hooks.features()
+                hidden = target._hooks.features().hidden
                 for f, h in zip(features, hidden):
                     f.index_copy_(0, dst_t, h.index_select(0, src_t).to(f.dtype))
                 kept = out.shape[1]
@@ -375,7 +366,6 @@ class HFTarget(nn.Module):
 
         self._hooks = _attach(decoder, self.aux_layer_ids)
         self._mixers = self._hook_mixers(decoder) if self._has_linear and split_mixers else None
-        self.capture = AuxHiddenCapture(self.aux_layer_ids)
         self.groups: list[_Group] = []
         self.caches: list = []  # crop path: one DynamicCache per request
         self.max_length = 0
@@ -406,7 +396,7 @@ class HFTarget(nn.Module):
         for mixer in self._mixers.values():
             mixer._qspec_split = plan
 
-    capabilities = Capabilities(static_cache=False, trees=False, compilable=False)
+    capabilities = Capabilities(trees=False, compilable=False)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.get_input_embeddings()
@@ -454,10 +444,10 @@ class HFTarget(nn.Module):
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, last_only: bool = False,
-                tree: None = None) -> torch.Tensor:
+                tree: None = None) -> TargetOutput:
         """As :meth:`NativeTarget.forward`: logits ``[B, T, V]`` of tokens at positions (-1 = padding;
-        a request's valid entries are consecutive columns at consecutive positions). The aux features
-        of all B*T rows are in :attr:`capture` until the next call. Chains only: no draft trees."""
+        a request's valid entries are consecutive columns at consecutive positions) and the aux
+        features of all B*T rows. Chains only: no draft trees."""
         if tree is not None:
             raise ValueError("HFTarget.forward: draft trees need tree attention, which HFTarget does not run "
                              "(use NativeTarget, or topk=1)")
@@ -472,12 +462,9 @@ class HFTarget(nn.Module):
         if B != self.batch_size:
             logits, positions = logits[slots], positions[slots]
             features = [f.view(self.batch_size, T, -1)[slots].view(B * T, -1) for f in features]
-        self.capture.clear()
-        for layer_id, f in zip(self.aux_layer_ids, features):
-            self.capture.record(layer_id, f)
         if last_only:
             logits = logits[torch.arange(B, device=logits.device), positions.argmax(dim=1)]
-        return logits
+        return TargetOutput(logits, AuxFeatures(tuple(features)))
 
     def keep_requests(self, rows: list[int], lengths: list[int]) -> None:
         """The batch becomes requests ``rows``; the dropped ones keep their caches and run as
@@ -489,7 +476,7 @@ class HFTarget(nn.Module):
         B, T = tokens.shape
         dtype = self.model.get_input_embeddings().weight.dtype
         features = [tokens.new_zeros(B * T, self.hidden_size, dtype=dtype) for _ in self.aux_layer_ids]
-        clock = _Clock(self, tokens.device).__enter__()
+        clock = _Clock(self, tokens.device)
         requests = self._requests(tokens, positions)
         if not self._can_batch:
             logits = self._forward_cropping(tokens, requests, features, T)
@@ -534,7 +521,7 @@ class HFTarget(nn.Module):
                 self.caches[b].crop(-stale)  # a negative count removes tokens, in old and new transformers
             out = self.model(r.tokens[None], position_ids=torch.arange(r.start, r.start + r.count, device=tokens.device)[None],
                              use_cache=True, **{self._cache_arg: self.caches[b]})
-            hidden, _ = self._hooks.features()
+            hidden = self._hooks.features().hidden
             for f, h in zip(features, hidden):
                 f[b * T + r.column : b * T + r.column + r.count] = h
             if logits is None:

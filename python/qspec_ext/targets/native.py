@@ -11,7 +11,7 @@ from torch import nn
 
 from .. import ops, reference
 from ..arguments import check_aux_layer_ids, check_load
-from ..capture import AuxHiddenCapture, default_aux_layer_ids
+from ..capture import AuxFeatures, default_aux_layer_ids
 from ..rope import rope_config
 from ..shipped import cache_root
 from ..models.checkpoint import (CheckpointError, check_tensors, load_tensors, map_tensor, map_tensor_converted,
@@ -19,7 +19,7 @@ from ..models.checkpoint import (CheckpointError, check_tensors, load_tensors, m
 from ..models.layers import (MLP, Attention, CachedPositions, LastTokens, RMSNormWeight, TreeAttention, commit_path,
                              join_checkpoint_parts, keep_requests, static_caches, static_cos_sin)
 from ..models.linear import Linear, pack_linears
-from .base import Capabilities
+from .base import Capabilities, TargetOutput
 
 EMBEDDING = "model.embed_tokens.weight"
 # model_type -> (per-head q/k norm, the RoPE theta a config without one means)
@@ -131,13 +131,12 @@ class NativeTarget(nn.Module):
             check_aux_layer_ids("NativeTarget", aux_layer_ids, config.num_hidden_layers)
         ids = list(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(config.num_hidden_layers)
         self.aux_layer_ids = ids
-        self.capture = AuxHiddenCapture(ids)
         self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # the live requests' slots of allocated
         self.allocated: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.cos_sin: torch.Tensor | None = None
         self.max_length = 0
 
-    capabilities = Capabilities(static_cache=True, trees=True, compilable=True)
+    capabilities = Capabilities(trees=True, compilable=True)
 
     @property
     def hidden_size(self) -> int:
@@ -217,20 +216,20 @@ class NativeTarget(nn.Module):
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, last_only: bool = False,
-                tree: TreeAttention | None = None) -> torch.Tensor:
+                tree: TreeAttention | None = None) -> TargetOutput:
         """Logits ``[B, T, V]`` (``[B, V]`` at each request's last position with ``last_only``) of
-        tokens ``[B, T]`` at positions ``[B, T]`` (-1 = padding). The aux features of all B*T rows
-        are in :attr:`capture` until the next call (with CUDA graphs: of any compiled graph).
+        tokens ``[B, T]`` at positions ``[B, T]`` (-1 = padding), and the aux features of all B*T rows.
         ``tree``: the tokens are a draft tree (its slots and ancestor mask); :meth:`commit_path` then
         keeps the accepted path. A ``last_only`` forward (a prefill) runs the tokens only, packed,
-        not the padding of shorter prompts (eager: a compiled graph keeps its static shapes)."""
+        not the padding of shorter prompts: a data-dependent shape, so eager only (the decode loop
+        prefills eagerly; its compiled steps call forward without last_only)."""
         c, o = self.config, self.ops
         B, T = tokens.shape
         if not self.caches or B != self.batch_size:
             raise RuntimeError(f"NativeTarget: call setup({B}, max_length) first")
         aux = set(self.aux_layer_ids)
-        records = []  # (aux layer, hidden, residual): stored at once, see AuxHiddenCapture.store
-        at = CachedPositions(positions, self.max_length, tree, packed=last_only and not torch.compiler.is_compiling())
+        records = []  # (aux layer, hidden, residual)
+        at = CachedPositions(positions, self.max_length, tree, packed=last_only)
         hidden = self.model.embed_tokens(at.tokens(tokens.reshape(-1)))
         residual = torch.zeros_like(hidden)  # layer 0 adds the embeddings to it: residual = them
         # last_only, unless the final stream is an aux feature: the last layer runs its attention
@@ -249,12 +248,12 @@ class NativeTarget(nn.Module):
         else:
             o.fused_add_rms_norm_(hidden, residual, self.model.norm.weight, c.rms_norm_eps)
             z = hidden
-        self.capture.store(records, at.packed_row)
+        features = AuxFeatures.of(self.aux_layer_ids, records, at.packed_row)
         if last is not None:
-            return self.lm_head(z)
+            return TargetOutput(self.lm_head(z), features)
         if last_only:
-            return self.lm_head(z[at.last_tokens().rows])
-        return self.lm_head(z.view(B, T, -1))
+            return TargetOutput(self.lm_head(z[at.last_tokens().rows]), features)
+        return TargetOutput(self.lm_head(z.view(B, T, -1)), features)
 
     @torch.no_grad()
     def keep_requests(self, rows: list[int], lengths: list[int]) -> None:
