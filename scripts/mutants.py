@@ -546,6 +546,12 @@ MUTANTS = [
     Mutant("freed_memory_not_kept", f"{PKG}/heap.py", "mapped = libc.mallopt(_M_MMAP_MAX, 0)",
            "mapped = libc.mallopt(_M_MMAP_MAX, 65536)",
            (TR + "test_training_keeps_freed_memory_instead_of_faulting_it_in_again",)),
+    Mutant("tree_propose_takes_a_penalty", f"{PKG}/drafting/base.py",
+           "if penalty is not None and drafting.topk > 1:", "if False:", (LOOKUP + "test_lookup_errors",)),
+    Mutant("target_features_without_the_residual", NATIVE,
+           "features = AuxFeatures.of(self.aux_layer_ids, records, at.packed_row)",
+           "features = AuxFeatures.of(self.aux_layer_ids, [(i, h, None) for i, h, _ in records], at.packed_row)",
+           (DEC + "test_qwen3_target_matches_transformers",)),
     # adaptive speculation, prompt lookup, transformers' generate, what users see
     Mutant("adaptive_waiting_pairs_dropped", DECODE, "            if self.waiting:\n                self._prefill_waiting()",
            "            if self.waiting:\n                self.waiting = []",

@@ -417,17 +417,27 @@ def test_bad_target_checkpoint(tmp_path):
 
 
 @pytest.mark.skipif(not hasattr(__import__("ctypes").CDLL(None), "mallopt"), reason="glibc's mallopt")
-def test_cpu_setup_keeps_freed_activations_mapped():
-    """After a CPU model's setup, a freed 16 MiB activation's pages serve the next one: no page faults
-    (glibc's default maps blocks that large afresh and faults on every page of each)."""
+def test_cpu_setup_keeps_freed_activations_mapped(monkeypatch):
+    """A CPU model's setup tunes the heap once (blocks up to 32 MiB from the heap, 1 GiB kept at its
+    top), and after it a freed 16 MiB activation's pages serve the next one: no page faults (glibc
+    maps a block that large afresh until its threshold has risen, and faults on every page)."""
     import resource
+
+    import qspec_ext.models.checkpoint as checkpoint
+
+    calls = []
+    real = checkpoint.keep_freed_memory
+    monkeypatch.setattr(checkpoint, "keep_freed_memory", lambda **kw: calls.append(kw) or real(**kw))
+    checkpoint.reuse_freed_heap.cache_clear()
+    make_drafter().setup(1, 16)
+    make_drafter().setup(1, 16)
+    assert calls == [dict(trim_threshold=1 << 30, mmap_threshold=32 << 20)]  # once per process
 
     def faults_of_one_activation():
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         torch.empty(4 << 20).fill_(1.0)  # 16 MiB, freed at once
         return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
-    make_drafter().setup(1, 16)
     # A few rounds first: a small allocation may split a freed block, and the next comes from fresh pages.
     faults = [faults_of_one_activation() for _ in range(6)]
     assert faults[-1] < 1024, faults  # of its 4096 pages (the rest: other allocations, threads)

@@ -1,13 +1,15 @@
 """Prompt-lookup drafting: n-gram matches in each request's own tokens, EAGLE-3 drafts elsewhere;
 lossless like every strategy (greedy == plain, the sampling law holds)."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from qspec_ext import NativeTarget, SpeculativeDecoder, generate_plain
+from qspec_ext import Capabilities, NativeTarget, SpeculativeDecoder, generate_plain
 from qspec_ext.drafting import LookupDrafting, LookupTreeDrafting, lookup_drafts
 
-from helpers import AUX, PROMPTS, law_pvalue, make_drafter, make_hf, target_law
+from helpers import AUX, PROMPTS, VOCAB, law_pvalue, make_drafter, make_hf, target_law
 
 
 def lookup_by_hand(tokens: list[int], k: int, ngram) -> list[int] | None:
@@ -92,6 +94,14 @@ def test_lookup_errors():
         LookupDrafting(make_drafter(parallel_drafting=True, mask_token_id=0), 3)
     with pytest.raises(ValueError, match="LookupDrafting.propose: needs each request's tokens"):
         LookupDrafting(drafter, 3).propose(torch.tensor([3]), None)
+    tree_target = SimpleNamespace(capabilities=Capabilities(trees=True, compilable=True), max_length=64)
+    tree = LookupTreeDrafting(tree_target, drafter, 3, 2)
+    seen = (1.2, torch.zeros(1, VOCAB, dtype=torch.bool))
+    with pytest.raises(ValueError, match="LookupTreeDrafting.propose: a repetition penalty runs with chain and "
+                                         "parallel drafting, not trees"):
+        tree.propose(torch.tensor([3]), None, seen, torch.zeros(1, 8, dtype=torch.long))
+    with pytest.raises(ValueError, match="LookupTreeDrafting.propose: needs each request's tokens"):
+        tree.propose(torch.tensor([3]), None)
 
 
 @pytest.mark.parametrize("depth,topk,nodes,lookup", [(3, 2, 6, None), (2, 3, 4, 5)])
