@@ -11,7 +11,7 @@ The pair defaults to the shipped demo pair (python/qspec_ext/demo_pair, its chai
 for chains and trees, its P-EAGLE drafter for parallel drafting); prompts are held-out
 standard-library code, tokenized with the target's tokenizer.json. Reports tokens/s of plain
 and speculative decoding (in the same mode), the speed-up over the whole run and over the decode
-phase (after each request's first token: SpecDecodeStats.decode_tokens_per_second), the mean
+phase (after each request's first token: DecodeStats.decode_tokens_per_second), the mean
 acceptance length, and the
 cost of one drafter step as a fraction of one target verify forward (k + 1 tokens); compiled
 rows also the compile time (the untimed warm-up run's extra time). --check fails when the

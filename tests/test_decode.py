@@ -2,6 +2,7 @@
 
 import json
 import math
+import sys
 
 import pytest
 import torch
@@ -423,13 +424,14 @@ def test_cpu_setup_keeps_freed_activations_mapped(monkeypatch):
     maps a block that large afresh until its threshold has risen, and faults on every page)."""
     import resource
 
-    import qspec_ext.models.checkpoint as checkpoint
-
+    # The functions the drafter's module really calls (a test may have imported qspec_ext again).
+    drafter = make_drafter()
+    reuse = sys.modules[type(drafter).__module__].static_caches.__globals__["reuse_freed_heap"]
     calls = []
-    real = checkpoint.keep_freed_memory
-    monkeypatch.setattr(checkpoint, "keep_freed_memory", lambda **kw: calls.append(kw) or real(**kw))
-    checkpoint.reuse_freed_heap.cache_clear()
-    make_drafter().setup(1, 16)
+    real = reuse.__wrapped__.__globals__["keep_freed_memory"]
+    monkeypatch.setitem(reuse.__wrapped__.__globals__, "keep_freed_memory", lambda **kw: calls.append(kw) or real(**kw))
+    reuse.cache_clear()
+    drafter.setup(1, 16)
     make_drafter().setup(1, 16)
     assert calls == [dict(trim_threshold=1 << 30, mmap_threshold=32 << 20)]  # once per process
 

@@ -59,7 +59,7 @@ else:
 if EXTENSION_PROBLEM is None:
     from . import ops, reference
     from .capture import AuxFeatures, AuxHiddenCapture, default_aux_layer_ids
-    from .decode import GenerateResult, SpecDecodeStats, SpeculativeDecoder, generate_plain
+    from .decode import DecodeStats, GenerateResult, SpecDecodeStats, SpeculativeDecoder, generate_plain
     from .models import Eagle3Config, Eagle3Drafter
     from .pair import load_pair
     from .targets import Capabilities, HFTarget, NativeTarget, Target, TargetOutput, load_target
@@ -97,6 +97,7 @@ __all__ = [
     "GenerateResult",
     "HFTarget",
     "NativeTarget",
+    "DecodeStats",
     "SpecDecodeStats",
     "SpeculativeDecoder",
     "generate_plain",

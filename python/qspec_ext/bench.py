@@ -8,7 +8,7 @@ import statistics
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 
-from .decode import GenerateResult, SpecDecodeStats
+from .decode import GenerateResult, DecodeStats
 
 Generate = Callable[..., GenerateResult]  # generate(prompts, **kwargs)
 
@@ -25,7 +25,7 @@ def in_batches(generate: Generate, prompts: list[list[int]], batch_size: int, wa
         result.stats.compile_time = max(first.stats.wall_time - result.stats.wall_time, 0.0)
         return result
     tokens: list[list[int]] = []
-    total = SpecDecodeStats()
+    total = DecodeStats()
     for start in range(0, len(prompts), batch_size):
         result = generate(prompts[start : start + batch_size], **kwargs)
         tokens += result.tokens

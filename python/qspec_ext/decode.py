@@ -29,7 +29,9 @@ from .sampling import apply_repetition_penalty, apply_top_k_top_p
 
 
 @dataclass
-class SpecDecodeStats:
+class DecodeStats:
+    """What a generate call did, plain or speculative (the draft counters stay 0 for plain decoding)."""
+
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
@@ -74,10 +76,13 @@ class SpecDecodeStats:
         )
 
 
+SpecDecodeStats = DecodeStats  # the name before plain decoding shared it
+
+
 @dataclass
 class GenerateResult:
     tokens: list[list[int]]  # generated ids per prompt, prompt excluded
-    stats: SpecDecodeStats
+    stats: DecodeStats
 
 
 class _Sampler:
@@ -166,7 +171,7 @@ def check_repetition_penalty(where: str, penalty, compile: bool, tree: bool = Fa
 
 
 def _nothing_to_generate(prompts: list[list[int]]) -> "GenerateResult":
-    return GenerateResult([[] for _ in prompts], SpecDecodeStats())
+    return GenerateResult([[] for _ in prompts], DecodeStats())
 
 
 def _prefill_inputs(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,7 +287,7 @@ def _decode(target, steps, prompts: list[list[int]], max_new_tokens: int, sampli
     sampler = _Sampler(batch, sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed, device,
                        sampling.repetition_penalty, prompts, target.config.vocab_size)
     stops = _StopIds(stop_ids, device)
-    stats = SpecDecodeStats(accepted_per_position=[0] * steps.max_depth, num_requests=batch)
+    stats = DecodeStats(accepted_per_position=[0] * steps.max_depth, num_requests=batch)
 
     # Prefill: the target reads the prompts and picks the first token.
     tokens, positions = _prefill_inputs(prompts, device)

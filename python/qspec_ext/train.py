@@ -28,7 +28,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import reference
 from .arguments import check_bool, check_float, check_int
 from .capture import default_aux_layer_ids
 from .heap import keep_freed_memory, trim_heap
@@ -468,18 +467,6 @@ def masked_forward(model: Eagle3Drafter, x, tokens, positions, cos_sin, allowed)
     return model.head(h)[0]
 
 
-def fc_input(model: Eagle3Drafter, features):
-    B, L, width = features.shape
-    mode, weight = model.fc_norm_mode()
-    if mode == "none":
-        return features
-    H = model.config.hidden_size
-    flat = features.reshape(B * L, width)
-    chunks = [flat[:, i * H : (i + 1) * H] for i in range(model.config.num_aux)]
-    rows = torch.arange(B * L, device=features.device)
-    return reference.gather_aux_hidden(chunks, rows, None, mode, weight, model.config.rms_norm_eps).view(B, L, width)
-
-
 def _weighted_mean(values, weight):
     return (values * weight).sum() / weight.sum().clamp(min=1.0)
 
@@ -507,7 +494,7 @@ def ttt_loss(model: Eagle3Drafter, target_ids, features, labels, ttt_steps, cos_
     summed weight (to average over many batches)."""
     B, T = target_ids.shape
     L = T - 1  # pair t = (feature t, token t+1) at position t predicts the target's row t+1
-    x = model.fc(fc_input(model, features[:, :L]))
+    x = model.fc(model.fc_input(features[:, :L]))
     index = torch.arange(L, device=features.device)
     base = index if positions is None else positions[:, :L]
     seg = None if segment is None else segment[:, :L]
@@ -563,7 +550,7 @@ def parallel_forward(model: Eagle3Drafter, target_ids, features, anchor, depth, 
     is_mask = depth > 0
     raw = torch.where(is_mask[None, :, None], model.mask_hidden.expand(B, len(anchor), -1), features[:, anchor])
     tokens = torch.where(is_mask[None, :], model.config.mask_token_id, target_ids[:, anchor + 1])
-    return masked_forward(model, model.fc(fc_input(model, raw)), tokens, anchor + depth, cos_sin, allowed)
+    return masked_forward(model, model.fc(model.fc_input(raw)), tokens, anchor + depth, cos_sin, allowed)
 
 
 def parallel_loss(model: Eagle3Drafter, target_ids, features, labels, config: "TrainConfig", cos_sin,

@@ -224,7 +224,6 @@ def _madvise():
 
 
 @functools.cache
-@functools.cache
 def reuse_freed_heap() -> None:
     """Every decode step allocates and frees its activations: blocks up to 32 MiB come from the heap
     and up to 1 GiB of free memory stays at its top (heap.py). Peak memory is unchanged. Once per

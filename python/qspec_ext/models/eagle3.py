@@ -140,17 +140,17 @@ class Eagle3Drafter(nn.Module):
         return draft_ids if self.d2t is None else draft_ids + self.d2t[draft_ids]
 
     def fc_input(self, aux_features: torch.Tensor) -> torch.Tensor:
-        """[N, n*H] features -> [N, n*H] fc input, normalized as the config asks (gather_aux_hidden)."""
-        c = self.config
-        if not (c.fc_norm or c.norm_before_fc):
+        """``[..., n*H]`` features -> the fc input, normalized as the config asks (gather_aux_hidden;
+        under autograd its differentiable reference: the trainer's path)."""
+        mode, weight = self.fc_norm_mode()
+        if mode == "none":
             return aux_features
-        H = c.hidden_size
-        chunks = [aux_features[:, i * H : (i + 1) * H] for i in range(c.num_aux)]
-        rows = torch.arange(aux_features.shape[0], device=aux_features.device)
-        if c.fc_norm:
-            weight = torch.stack([norm.weight for norm in self.fc_norm])
-            return self.ops.gather_aux_hidden(chunks, rows, None, "fc_norm", weight, c.rms_norm_eps)
-        return self.ops.gather_aux_hidden(chunks, rows, None, "norm_before_fc", self.input_norm.weight, c.rms_norm_eps)
+        c = self.config
+        flat = aux_features.reshape(-1, aux_features.shape[-1])
+        chunks = [flat[:, i * c.hidden_size : (i + 1) * c.hidden_size] for i in range(c.num_aux)]
+        rows = torch.arange(flat.shape[0], device=flat.device)
+        gather = reference.gather_aux_hidden if torch.is_grad_enabled() else self.ops.gather_aux_hidden
+        return gather(chunks, rows, None, mode, weight, c.rms_norm_eps).view_as(aux_features)
 
     def fc_norm_mode(self) -> tuple[str, torch.Tensor | None]:
         """The (norm_mode, norm_weight) gather_aux_hidden applies to build this drafter's fc input."""
