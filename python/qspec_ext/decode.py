@@ -5,8 +5,9 @@ next token, repeat; plain decoding is the same loop with one target forward per 
 Each speculative step: the drafting strategy proposes drafts from the drafter's state (a chain,
 P-EAGLE's parallel drafts or a tree: see drafting/) -> target.forward([last, drafts]) -> the
 strategy verifies them and commits the accepted path -> the drafter's input from the features the
-forward returned (gather_aux_hidden of the accepted rows) -> drafter.prefill of those pairs (which also rewinds the drafter's cache) gives the next state; the
-target's cache is rewound the same way, by the next step's positions. All of that is one
+forward returned (gather_aux_hidden of the accepted rows) -> drafter.prefill_last of those pairs
+(which also rewinds the drafter's cache) gives the next state; the target's cache is rewound the
+same way, by the next step's positions. All of that is one
 device-side function (:meth:`SpeculativeDecoder._step`); the only host synchronization per step
 reads the tokens and accepted counts, which stopping needs. ``compile=True`` runs that step as one static-shape graph
 (compiled.py); the prompt prefill, once per batch, runs eagerly: its tokens packed, without the
@@ -348,8 +349,6 @@ def drafter_input(drafter, features, rows: torch.Tensor) -> torch.Tensor:
     norm_mode, norm_weight = drafter.fc_norm_mode()
     fc_input = features.gather(rows.reshape(-1), norm_mode, norm_weight, drafter.config.rms_norm_eps)
     return fc_input.view(*rows.shape, -1)
-
-
 
 
 class _PlainSteps:
