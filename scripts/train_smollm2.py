@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from qspec_ext.shipped import SMOLLM2_DIR, cache_root, target_dir
-from qspec_ext.train import (TrainConfig, _batched_capture, _target_features, draft_vocabulary, evaluate_ttt,
+from qspec_ext.train import (TrainConfig, batched_capture, cached_target_features, draft_vocabulary, evaluate_ttt,
                              npz_records, train_drafter)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -87,8 +87,8 @@ def heldout_evaluator(config: TrainConfig, data: list[Path]):
     _, draft_ids = draft_vocabulary([r for path in data for r in npz_records(path)], vocab, config.draft_vocab)
     records = npz_records(HELDOUT)
     key = hashlib.sha256(f"{file_hash(HELDOUT)} {draft_ids.tolist()}".encode()).hexdigest()[:16]
-    store = _target_features(None, records, draft_ids, cache_root() / "train-features" / f"heldout-{key}.pt", False,
-                             _batched_capture(target_dir("smollm2"), [2, 15, 27], "cpu", False))
+    store = cached_target_features(None, records, draft_ids, cache_root() / "train-features" / f"heldout-{key}.pt", False,
+                             batched_capture(target_dir("smollm2"), [2, 15, 27], "cpu", False))
 
     def evaluate(drafter) -> dict:
         return evaluate_ttt(drafter, store, 3, bf16=config.bf16)

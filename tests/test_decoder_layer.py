@@ -7,7 +7,7 @@ import torch
 from conftest import assert_close
 
 from qspec_ext import ops, reference
-from qspec_ext.models.layers import TreeAttention
+from qspec_ext.drafting.tree import TreeAttention
 from qspec_ext.models.linear import pack_weight
 from qspec_ext.rope import rope_cos_sin_cache
 

@@ -17,8 +17,8 @@ from qspec_ext import Eagle3Drafter, NativeTarget
 from qspec_ext.demo import DEMO_DIR, run_demo
 from qspec_ext.drafting import parallel_logits
 from qspec_ext.rope import rope_cos_sin_cache
-from qspec_ext.train import (TargetFeatures, TrainConfig, Windows, cod_nodes, draft_labels, parallel_forward, train_drafter,
-                             ttt_loss, ttt_step)
+from qspec_ext.train import (TargetFeatures, TrainConfig, Windows, causal_mask, cod_nodes, draft_labels, drafter_layers,
+                             parallel_forward, train_drafter, ttt_loss)
 
 CODE = '''
 def add(a, b):
@@ -36,6 +36,12 @@ class Stack:
     def pop(self):
         return self.items.pop()
 '''
+
+
+def first_ttt_step(drafter, x, tokens, positions, cos_sin):
+    """The training forward's first draft step (TTT step 1): the logits of pairs (x, tokens), causal."""
+    h, _ = drafter_layers(drafter, x, tokens, positions, cos_sin, causal_mask(x.shape[1], x.device))
+    return drafter.head(h)[0]
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +107,7 @@ def test_train_drafter_reads_the_aux_layers_asked_for(tiny_target, tmp_path):
         out = hf(ids, output_hidden_states=True)
         features = torch.cat([out.hidden_states[i] for i in (1, 7)], -1)
         cos_sin = rope_cos_sin_cache(32, drafter.config.head_dim, drafter.config.rope_theta)
-        trained_logits, _, _ = ttt_step(drafter, drafter.fc(features[:, :9]), ids[:, 1:], torch.arange(9), cos_sin,
-                                        [[] for _ in drafter.layers])
+        trained_logits = first_ttt_step(drafter, drafter.fc(features[:, :9]), ids[:, 1:], torch.arange(9), cos_sin)
         target.setup(1, 32)
         captured = target(ids, torch.arange(10)[None]).features.gather(torch.arange(9), "none", None,
                                                                        drafter.config.rms_norm_eps)
@@ -164,7 +169,7 @@ def test_ttt_step_one_is_the_drafters_forward(tiny_target, trained):
         features = torch.cat([out.hidden_states[i] for i in (2, 4, 5)], -1)
         cos_sin = rope_cos_sin_cache(32, loaded.config.head_dim, loaded.config.rope_theta)
         x = loaded.fc(features[:, :11])
-        logits, _, _ = ttt_step(loaded, x, ids[:, 1:], torch.arange(11), cos_sin, [[] for _ in loaded.layers])
+        logits = first_ttt_step(loaded, x, ids[:, 1:], torch.arange(11), cos_sin)
         draft_ids = loaded.t2d.nonzero().flatten()
         labels = draft_labels(out.logits, draft_ids, top_k=len(draft_ids))  # the whole draft vocabulary
         loss, accuracies = ttt_loss(loaded, ids, features, labels, 3, cos_sin)
@@ -537,12 +542,12 @@ def test_ttt_loss_counts_only_weighted_rows(tiny_target, trained):
 def test_stored_features_are_reused_only_for_the_same_data_and_vocabulary(tiny_target, tmp_path, monkeypatch):
     import qspec_ext.train
     from qspec_ext.targets import load_target
-    from qspec_ext.train import _target_features
+    from qspec_ext.train import cached_target_features
 
     target = load_target(tiny_target / "target", dtype=torch.float32)
     sequences = [([5, 6, 7, 8, 9], 2), ([10, 11, 12], 0)]
     vocab = torch.arange(0, 120)
-    stored = _target_features(target, sequences, vocab, tmp_path / "f.pt", progress=False)
+    stored = cached_target_features(target, sequences, vocab, tmp_path / "f.pt", progress=False)
     real, calls = TargetFeatures.compute, []
 
     def counted(*args, **kwargs):
@@ -550,11 +555,11 @@ def test_stored_features_are_reused_only_for_the_same_data_and_vocabulary(tiny_t
         return real(*args, **kwargs)
 
     monkeypatch.setattr(qspec_ext.train.TargetFeatures, "compute", counted)
-    again = _target_features(target, sequences, vocab, tmp_path / "f.pt", progress=False)
+    again = cached_target_features(target, sequences, vocab, tmp_path / "f.pt", progress=False)
     assert not calls and torch.equal(again.features, stored.features) and torch.equal(again.trained, stored.trained)
-    _target_features(target, sequences, vocab + 1, tmp_path / "f.pt", progress=False)
+    cached_target_features(target, sequences, vocab + 1, tmp_path / "f.pt", progress=False)
     assert len(calls) == 1, "another draft vocabulary: computed again"
-    _target_features(target, [([5, 6, 7, 8, 9], 2), ([10, 11, 13], 0)], vocab + 1, tmp_path / "f.pt", progress=False)
+    cached_target_features(target, [([5, 6, 7, 8, 9], 2), ([10, 11, 13], 0)], vocab + 1, tmp_path / "f.pt", progress=False)
     assert len(calls) == 2, "other tokens: computed again"
 
 

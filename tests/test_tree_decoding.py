@@ -9,7 +9,7 @@ from helpers import AUX, H, PROMPTS, VOCAB, draft, law_pvalue, make_drafter, mak
 
 from qspec_ext import Eagle3Config, Eagle3Drafter, HFTarget, NativeTarget, SpeculativeDecoder, generate_plain
 from qspec_ext.drafting import tree_draft
-from qspec_ext.models.layers import tree_ancestors
+from qspec_ext.drafting.tree import tree_ancestors
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ def test_tree_forward_of_the_target_equals_running_each_path(target_dir):
     prompt = [5, 6, 7, 8, 9, 10]
     parents = torch.tensor([[0, 0, 1, 1, 3, 2]])
     drafts = torch.tensor([[11, 12, 13, 14, 15, 16]])
-    from qspec_ext.models.layers import TreeAttention
+    from qspec_ext.drafting.tree import TreeAttention
 
     target.setup(1, 32)
     target(torch.tensor([prompt[:-1]]), torch.arange(5)[None])

@@ -7,7 +7,6 @@ from typing import Protocol
 import torch
 
 from ..models.eagle3 import DraftState
-from ..models.layers import TreeAttention
 
 # (repetition penalty, the tokens each request has seen [B, V] bool), as the loop's sampler gives it
 Penalty = tuple[float, torch.Tensor]
@@ -16,12 +15,13 @@ Penalty = tuple[float, torch.Tensor]
 @dataclass
 class Proposal:
     """One step's drafts. The target reads [last token, draft_ids] at positions
-    position + depths; ``tree`` (trees only) says where they go and what they see."""
+    position + depths; ``tree`` (trees only: a :class:`~qspec_ext.drafting.tree.TreeAttention`)
+    says where they go and what they see."""
 
     draft_ids: torch.Tensor  # [B, N] target-vocab ids
     depths: torch.Tensor  # [B or 1, N+1]: the depth of each row (0 = the last verified token)
     parents: torch.Tensor | None = None  # [B, N] (trees)
-    tree: TreeAttention | None = None
+    tree: object | None = None  # (drafting/tree.py imports this module)
 
 
 class Drafting(Protocol):

@@ -15,10 +15,9 @@ import torch
 
 from ..arguments import check_int
 from ..models.eagle3 import DraftState
-from ..models.layers import TreeAttention, tree_ancestors
 from .base import Penalty, Proposal, check_propose
 from .chain import ChainDrafting
-from .tree import TreeDrafting
+from .tree import TreeAttention, TreeDrafting, tree_ancestors
 
 
 def lookup_drafts(tokens: torch.Tensor, length: torch.Tensor, k: int, ngram: tuple[int, ...]

@@ -6,9 +6,53 @@ import torch
 
 from ..arguments import check_int
 from ..models.eagle3 import DraftState
-from ..models.layers import TreeAttention, tree_ancestors
 from ..ops import verify_tree_greedy, verify_tree_sampling
 from .base import Proposal, check_propose
+
+
+class TreeAttention:
+    """Where draft-tree tokens go and what they see. The tree's scratch region is the cache
+    slots from ``start[b]`` (the position of the tree's first token) on; token j of this call is
+    written at ``start + first + j`` (consecutive slots, whatever its depth) and attends to the
+    context (slots before ``start``) and to the scratch slots ``start + s`` its row of
+    ``seen [B, T, S]`` marks (its ancestors and itself). Inactive requests (start < 0) write
+    nothing."""
+
+    def __init__(self, start: torch.Tensor, seen: torch.Tensor, max_length: int, first: int = 0):
+        batch, tokens, _ = seen.shape
+        device = seen.device
+        base = torch.arange(batch, device=device)[:, None] * max_length
+        slot = start[:, None] + first + torch.arange(tokens, device=device)
+        self.slots = torch.where((start >= 0)[:, None], base + slot, -1).reshape(-1)
+        self.start, self.seen = start.long(), seen  # what cached_attention takes
+
+
+def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
+    """``ancestors [B, N+1, N+1]``: node j's row marks j and its ancestors up to the root (node
+    0), for ``parents [B, N]`` (node i+1's parent, or -1 for an unused node: only itself)."""
+    batch, nodes = parents.shape
+    device = parents.device
+    reach = torch.eye(nodes + 1, dtype=torch.bool, device=device).expand(batch, -1, -1).clone()
+    # Row i+1 marks its parent (an unused node writes False over column 0, already False).
+    reach[:, 1:].scatter_(2, parents.long().clamp(min=0)[..., None], (parents >= 0)[..., None])
+    # Pointer doubling: after i rounds each row holds its ancestors up to 2^i levels up.
+    for _ in range(max(1, (nodes + 1).bit_length())):
+        reach = (reach.float() @ reach.float()) > 0
+    return reach
+
+
+def commit_path(caches: list[tuple[torch.Tensor, torch.Tensor]], tree: TreeAttention, path: torch.Tensor) -> None:
+    """Moves the K/V of tree rows ``path [B, N+1]`` (-1 = none) to slots ``start + 0, 1, ...`` in
+    every layer's cache (all sources are read before any write). Static shapes: every row is
+    copied, the rows off the path onto themselves (inactive requests: slot 0, never a tree's)."""
+    batch, tokens = path.shape
+    slots = tree.slots.view(batch, tokens)
+    target = slots.clamp(min=0)
+    source = torch.where((path >= 0) & (slots >= 0), slots.gather(1, path.clamp(min=0)), target)
+    source, target = source.reshape(-1), target.reshape(-1)
+    for k_cache, v_cache in caches:
+        k_cache.index_copy_(0, target, k_cache.index_select(0, source))
+        v_cache.index_copy_(0, target, v_cache.index_select(0, source))
 
 
 def tree_draft(drafter, state: DraftState, depth: int, topk: int,

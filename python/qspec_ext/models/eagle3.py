@@ -24,41 +24,33 @@ from ..arguments import check_load
 from .checkpoint import CheckpointError, check_tensors, load_tensors, read_config, resolve_checkpoint, save_tensors
 from .config import Eagle3Config
 from .formats import check_vocab_mapping, eagle_tensor_names, from_eagle, from_speculators, to_speculators
-from .layers import (MLP, Attention, CachedPositions, RMSNormWeight, TreeAttention, keep_requests, rms,
+from .layers import (CachedPositions, DecoderLayer, RMSNormWeight, keep_requests, rms,
                      static_caches, static_cos_sin)
 from .linear import Linear, pack_linears
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, c: Eagle3Config, first: bool):
-        super().__init__()
-        self.input_layernorm = RMSNormWeight(c.hidden_size)
-        if first:  # layer 0 sees cat(embedding, hidden): 2H wide
-            self.hidden_norm = RMSNormWeight(c.hidden_size)
-        self.self_attn = Attention(c.hidden_size, 2 * c.hidden_size if first else c.hidden_size,
-                                   c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.arch == "qwen3")
-        self.post_attention_layernorm = RMSNormWeight(c.hidden_size)
-        self.mlp = MLP(c.hidden_size, c.intermediate_size)
-        self.eps, self.norm_before_residual = c.rms_norm_eps, c.norm_before_residual
+def decoder_layer(c: Eagle3Config, first: bool) -> DecoderLayer:
+    args = (c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+            c.arch == "qwen3", c.rms_norm_eps)
+    return FirstLayer(c, *args) if first else DecoderLayer(*args)
 
-    # The differentiable path over whole sequences (training); inference runs the cached path of
-    # Eagle3Drafter.forward on the ops, the same math.
-    def attention_input(self, x: torch.Tensor, embeds: torch.Tensor,
-                        h: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(residual, attention input): the first layer reads cat(RMSNorm(embeds), RMSNorm(x)),
-        later ones RMSNorm(h) of the layer before."""
-        hidden_norm = self._modules.get("hidden_norm")
-        if hidden_norm is not None:
-            x_hat = rms(x, hidden_norm.weight, self.eps)
-            residual = x_hat if self.norm_before_residual else x
-            return residual, torch.cat([rms(embeds, self.input_layernorm.weight, self.eps), x_hat], dim=-1)
-        return h, rms(h, self.input_layernorm.weight, self.eps)
 
-    def output(self, residual: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-        """h = residual + o_proj(attended [B, L, heads, D]), then h + MLP(RMSNorm(h))."""
-        B, L = attended.shape[:2]
-        h = residual + self.self_attn.o_proj(attended.reshape(B, L, -1))
-        return h + self.mlp(rms(h, self.post_attention_layernorm.weight, self.eps))
+class FirstLayer(DecoderLayer):
+    """The drafter's first decoder layer: its attention reads a pair, cat(RMSNorm(embedding),
+    RMSNorm(x)) (``hidden_norm``: x's), 2H wide; the residual is x (or RMSNorm(x))."""
+
+    def __init__(self, c: Eagle3Config, *args):
+        super().__init__(*args, input_width=2 * c.hidden_size)
+        self.hidden_norm = RMSNormWeight(c.hidden_size)
+        for name in ("self_attn", "post_attention_layernorm", "mlp"):  # the checkpoints' order, and the
+            self._modules[name] = self._modules.pop(name)  # parameters' (the gradient clip sums in it)
+        self.norm_before_residual = c.norm_before_residual
+
+    def pair_input(self, x: torch.Tensor, embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The differentiable path: (residual, attention input) of the pairs (x, embeds)."""
+        x_hat = rms(x, self.hidden_norm.weight, self.eps)
+        residual = x_hat if self.norm_before_residual else x
+        return residual, torch.cat([rms(embeds, self.input_layernorm.weight, self.eps), x_hat], dim=-1)
 
 
 @dataclass
@@ -92,7 +84,7 @@ class Eagle3Drafter(nn.Module):
             self.fc_norm = nn.ModuleList(RMSNormWeight(c.hidden_size) for _ in range(c.num_aux))
         if c.norm_before_fc:
             self.input_norm = RMSNormWeight(c.num_aux * c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c, first=i == 0) for i in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(decoder_layer(c, first=i == 0) for i in range(c.num_hidden_layers))
         self.norm = RMSNormWeight(c.hidden_size)
         self.lm_head = Linear(c.hidden_size, c.draft_vocab_size, bias=False)
         if c.parallel_drafting:  # the raw fc input of every mask slot (normalized like aux features)
@@ -172,10 +164,10 @@ class Eagle3Drafter(nn.Module):
 
     forward = step  # calling the module runs a draft step
 
-    def tree_step(self, x_next: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-                  tree: TreeAttention) -> tuple[torch.Tensor, ...]:
-        """A draft step whose pairs are tree nodes: their K/V go to the slots of ``tree``, and each
-        attends to the context and its ancestors only."""
+    def tree_step(self, x_next: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, tree) -> tuple[torch.Tensor, ...]:
+        """A draft step whose pairs are tree nodes: their K/V go to the slots of ``tree`` (a
+        :class:`~qspec_ext.drafting.tree.TreeAttention`), and each attends to the context and its
+        ancestors only."""
         return self._pairs(x_next, tokens, self._positions(positions, tree), from_features=False)
 
     def parallel_slots(self, features: torch.Tensor, tokens: torch.Tensor,
@@ -216,7 +208,7 @@ class Eagle3Drafter(nn.Module):
         if top >= self.max_length:
             raise ValueError(f"Eagle3Drafter.prefill: position {top} beyond the cache ({self.max_length})")
 
-    def _positions(self, positions: torch.Tensor, tree: TreeAttention | None = None,
+    def _positions(self, positions: torch.Tensor, tree=None,
                    packed: bool = False) -> CachedPositions:
         B = positions.shape[0]
         if B != self.batch_size or not self.caches:
@@ -238,22 +230,20 @@ class Eagle3Drafter(nn.Module):
         else:
             x = at.tokens(hidden.reshape(B * T, -1))
         embeds = self.embed_tokens(at.tokens(tokens.reshape(-1)))
-        residual = out = None
-        for i, layer in enumerate(self.layers):
-            if i == 0:
-                u, residual = o.eagle3_input_norm(
-                    embeds, x, layer.input_layernorm.weight, layer.hidden_norm.weight, c.rms_norm_eps,
-                    c.norm_before_residual)
-            else:
-                o.fused_add_rms_norm_(out, residual, layer.input_layernorm.weight, c.rms_norm_eps)
-                u = out
+        first, later = self.layers[0], self.layers[1:]
+        u, residual = o.eagle3_input_norm(embeds, x, first.input_layernorm.weight, first.hidden_norm.weight,
+                                          c.rms_norm_eps, c.norm_before_residual)
+        only = last if not later else None
+        out = first.self_attn.forward_cached(o, u, self.caches[0], self.cos_sin, at, c.rms_norm_eps, c.window(0), only)
+        if only is not None:
+            residual = residual[only.rows]
+        o.fused_add_rms_norm_(out, residual, first.post_attention_layernorm.weight, c.rms_norm_eps)
+        out = first.mlp(out, o)
+        for i, layer in enumerate(later, 1):
             only = last if i == len(self.layers) - 1 else None
-            out = layer.self_attn.forward_cached(o, u, self.caches[i], self.cos_sin, at, c.rms_norm_eps, c.window(i),
-                                                 only)
-            if only is not None:
-                residual = residual[only.rows]
-            o.fused_add_rms_norm_(out, residual, layer.post_attention_layernorm.weight, c.rms_norm_eps)
-            out = layer.mlp(out, o)
+            layer.forward_cached(o, out, residual, self.caches[i], self.cos_sin, at, c.window(i), only)
+        if later and last is not None:
+            out, residual = out[last.rows], residual[last.rows]
         o.fused_add_rms_norm_(out, residual, self.norm.weight, c.rms_norm_eps)  # out = z, residual = h
         logits = self.lm_head(out)
         x_next = out if c.norm_output else residual

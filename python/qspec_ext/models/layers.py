@@ -1,6 +1,7 @@
 """Building blocks shared by the drafter and the built-in target: weight holders named
 as in the checkpoints, and attention over a static per-request KV cache."""
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -116,6 +117,23 @@ def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
 
 
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+              own_index: list[tuple[torch.Tensor, torch.Tensor]] = ()) -> torch.Tensor:
+    """The differentiable attention core (training): queries ``q [B, L, heads, D]`` over keys and
+    values ``k, v [B, S, heads, D]`` where ``allowed [..., L, S]`` is true, and over each pair of
+    ``own_index`` (``[B, L, heads, D]`` each: training-time test's later draft steps) the key at the
+    query's own index only; one softmax over all of them. Returns ``[B, L, heads, D]``."""
+    D, S = q.shape[-1], k.shape[1]
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(D)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    diagonal = [(q * ks).sum(-1).transpose(1, 2)[..., None] / math.sqrt(D) for ks, _ in own_index]
+    weights = torch.cat([scores, *diagonal], dim=-1).softmax(-1)
+    out = torch.einsum("bhqk,bkhd->bqhd", weights[..., :S].to(v.dtype), v)
+    for i, (_, vs) in enumerate(own_index):
+        out = out + weights[..., S + i].transpose(1, 2)[..., None].to(vs.dtype) * vs
+    return out
+
+
 class Attention(nn.Module):
     def __init__(self, hidden: int, input_width: int, heads: int, kv_heads: int, head_dim: int, qk_norm: bool):
         super().__init__()
@@ -156,7 +174,7 @@ class Attention(nn.Module):
         """o_proj(attention) of u (the forward's token rows, ``[B*T, in]`` or packed) at the
         forward's positions ``at``: packed QKV, qk_norm_rope_ with the K/V written into the cache,
         cached_attention over the slots in use. Chains use the slot of each position, causal by
-        position; a draft tree brings its own slots and what each node sees (:class:`TreeAttention`).
+        position; a draft tree brings its own slots and what each node sees (:class:`~qspec_ext.drafting.tree.TreeAttention`).
         ``only`` (:meth:`CachedPositions.last_tokens`): every token's K/V is written, but only
         those tokens attend (a last layer whose other rows nobody reads): returns their ``[B, H]``."""
         batch, tokens = at.positions.shape
@@ -192,18 +210,71 @@ class MLP(nn.Module):
         return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
+class DecoderLayer(nn.Module):
+    """A pre-norm Llama / Qwen3 decoder layer (Qwen3's per-head q/k RMSNorm where ``qk_norm``): the
+    native target's layers and the drafter's past its first. Inference runs in place on the stream
+    (:meth:`forward_cached`), training on the differentiable :meth:`attention_input` / :meth:`output`."""
+
+    def __init__(self, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, qk_norm: bool,
+                 eps: float, input_width: int | None = None):
+        super().__init__()
+        self.input_layernorm = RMSNormWeight(hidden)
+        self.self_attn = Attention(hidden, input_width or hidden, heads, kv_heads, head_dim, qk_norm)
+        self.post_attention_layernorm = RMSNormWeight(hidden)
+        self.mlp = MLP(hidden, intermediate)
+        self.intermediate, self.eps = intermediate, eps
+
+    def forward_cached(self, kernels, hidden: torch.Tensor, residual: torch.Tensor,
+                       cache: tuple[torch.Tensor, torch.Tensor], cos_sin: torch.Tensor, at: "CachedPositions",
+                       window: int | None = None, only: "LastTokens | None" = None) -> None:
+        """In place on the stream ``hidden + residual`` ``[B*T, H]`` (its two parts updated), the
+        layer's K/V written into ``cache`` at the forward's positions ``at``: ``kernels.decoder_layer_``.
+        ``only``: every token's K/V is written, but only the ``only`` rows attend and run the MLP
+        (a last layer: nobody reads the other rows, left half-way). A sliding ``window`` (which the
+        fused op does not take): the same steps, op by op."""
+        attn, mlp = self.self_attn, self.mlp
+        if window is None:
+            output = (only.rows, only.positions) if only is not None else (None, None)
+            kernels.decoder_layer_(hidden, residual, self.input_layernorm.weight, self.post_attention_layernorm.weight,
+                                   attn.qkv_proj.inference_weight(hidden), attn.o_proj.inference_weight(hidden),
+                                   mlp.gate_up_proj.inference_weight(hidden), mlp.down_proj.inference_weight(hidden),
+                                   *attn.qk_norm_weights(), *cache, cos_sin, at.positions, at.rope_positions, at.slots,
+                                   *at.tree_args, attn.heads, attn.kv_heads, attn.head_dim,
+                                   self.intermediate, self.eps, at.token_rows, *output)
+            return
+        kernels.fused_add_rms_norm_(hidden, residual, self.input_layernorm.weight, self.eps)
+        out = attn.forward_cached(kernels, hidden, cache, cos_sin, at, self.eps, window, only)
+        rows = slice(None) if only is None else only.rows
+        stream = residual[rows]
+        kernels.fused_add_rms_norm_(out, stream, self.post_attention_layernorm.weight, self.eps)
+        residual[rows] = stream
+        hidden[rows] = mlp(out, kernels)
+
+    def attention_input(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The differentiable path: (residual, attention input) of the stream h."""
+        return h, rms(h, self.input_layernorm.weight, self.eps)
+
+    def output(self, residual: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The differentiable path: h = residual + o_proj(attended [B, L, heads, D]), then
+        h + MLP(RMSNorm(h))."""
+        B, L = attended.shape[:2]
+        h = residual + self.self_attn.o_proj(attended.reshape(B, L, -1))
+        return h + self.mlp(rms(h, self.post_attention_layernorm.weight, self.eps))
+
+
 class CachedPositions:
     """A forward's token positions ``[B, T]`` (-1 pads) and what every layer's cached attention
     derives from them, once per forward: each token's cache slot ``[B*T]`` (its position's slot in
     its request's rows, which start at b * max_length; its draft tree's scratch slot; -1 pads), the
-    RoPE positions (padding rotated as 0, its rows unused) and the tree's attention arguments.
+    RoPE positions (padding rotated as 0, its rows unused) and the attention arguments of ``tree`` (a
+    :class:`~qspec_ext.drafting.tree.TreeAttention`, or None: a chain).
 
     ``packed``: where the grid has padding, the forward runs its tokens only: ``token_rows`` holds
     their rows of the ``[B*T]`` grid (None: all of them), ``slots`` and ``rope_positions`` are
     theirs, and ``packed_row`` ``[B*T]`` maps a grid row to its token's row (-1: padding). Finds
     the padding on the host (a synchronization): for prefills, whose prompts differ in length."""
 
-    def __init__(self, positions: torch.Tensor, max_length: int, tree: "TreeAttention | None" = None,
+    def __init__(self, positions: torch.Tensor, max_length: int, tree=None,
                  packed: bool = False):
         self.positions = positions
         if tree is None:
@@ -244,48 +315,3 @@ class LastTokens:
 
     rows: torch.Tensor  # [B]: rows of the forward's tokens
     positions: torch.Tensor  # [B, 1]
-
-
-class TreeAttention:
-    """Where draft-tree tokens go and what they see. The tree's scratch region is the cache
-    slots from ``start[b]`` (the position of the tree's first token) on; token j of this call is
-    written at ``start + first + j`` (consecutive slots, whatever its depth) and attends to the
-    context (slots before ``start``) and to the scratch slots ``start + s`` its row of
-    ``seen [B, T, S]`` marks (its ancestors and itself). Inactive requests (start < 0) write
-    nothing."""
-
-    def __init__(self, start: torch.Tensor, seen: torch.Tensor, max_length: int, first: int = 0):
-        batch, tokens, _ = seen.shape
-        device = seen.device
-        base = torch.arange(batch, device=device)[:, None] * max_length
-        slot = start[:, None] + first + torch.arange(tokens, device=device)
-        self.slots = torch.where((start >= 0)[:, None], base + slot, -1).reshape(-1)
-        self.start, self.seen = start.long(), seen  # what cached_attention takes
-
-
-def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
-    """``ancestors [B, N+1, N+1]``: node j's row marks j and its ancestors up to the root (node
-    0), for ``parents [B, N]`` (node i+1's parent, or -1 for an unused node: only itself)."""
-    batch, nodes = parents.shape
-    device = parents.device
-    reach = torch.eye(nodes + 1, dtype=torch.bool, device=device).expand(batch, -1, -1).clone()
-    # Row i+1 marks its parent (an unused node writes False over column 0, already False).
-    reach[:, 1:].scatter_(2, parents.long().clamp(min=0)[..., None], (parents >= 0)[..., None])
-    # Pointer doubling: after i rounds each row holds its ancestors up to 2^i levels up.
-    for _ in range(max(1, (nodes + 1).bit_length())):
-        reach = (reach.float() @ reach.float()) > 0
-    return reach
-
-
-def commit_path(caches: list[tuple[torch.Tensor, torch.Tensor]], tree: TreeAttention, path: torch.Tensor) -> None:
-    """Moves the K/V of tree rows ``path [B, N+1]`` (-1 = none) to slots ``start + 0, 1, ...`` in
-    every layer's cache (all sources are read before any write). Static shapes: every row is
-    copied, the rows off the path onto themselves (inactive requests: slot 0, never a tree's)."""
-    batch, tokens = path.shape
-    slots = tree.slots.view(batch, tokens)
-    target = slots.clamp(min=0)
-    source = torch.where((path >= 0) & (slots >= 0), slots.gather(1, path.clamp(min=0)), target)
-    source, target = source.reshape(-1), target.reshape(-1)
-    for k_cache, v_cache in caches:
-        k_cache.index_copy_(0, target, k_cache.index_select(0, source))
-        v_cache.index_copy_(0, target, v_cache.index_select(0, source))

@@ -16,7 +16,8 @@ from ..rope import rope_config
 from ..shipped import cache_root
 from ..models.checkpoint import (CheckpointError, check_tensors, load_tensors, map_tensor, map_tensor_converted,
                                  read_config, resolve_checkpoint, trim_heap)
-from ..models.layers import (MLP, Attention, CachedPositions, LastTokens, RMSNormWeight, TreeAttention, commit_path,
+from ..drafting.tree import TreeAttention, commit_path
+from ..models.layers import (CachedPositions, DecoderLayer, RMSNormWeight,
                              join_checkpoint_parts, keep_requests, static_caches, static_cos_sin)
 from ..models.linear import Linear, pack_linears
 from .base import Capabilities, TargetOutput
@@ -78,37 +79,13 @@ class NativeConfig:
             raise CheckpointError(f"{source}: the {cfg['model_type']} config lacks {e.args[0]!r}") from e
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, c: NativeConfig):
-        super().__init__()
-        self.input_layernorm = RMSNormWeight(c.hidden_size)
-        self.self_attn = Attention(c.hidden_size, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
-                                   c.head_dim, qk_norm=c.qk_norm)
-        self.post_attention_layernorm = RMSNormWeight(c.hidden_size)
-        self.mlp = MLP(c.hidden_size, c.intermediate_size)
-
-    def forward_cached(self, kernels, hidden: torch.Tensor, residual: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
-                       cos_sin: torch.Tensor, at: CachedPositions, c: NativeConfig,
-                       only: LastTokens | None = None) -> None:
-        """In place on the stream ``hidden + residual`` ``[B*T, H]`` (its two parts updated), the
-        layer's K/V written into ``cache`` at the forward's positions ``at``: ``kernels.decoder_layer_``.
-        ``only``: every token's K/V is written, but only the ``only`` rows attend and run the MLP
-        (a prefill's last layer: nobody reads the other rows, left half-way)."""
-        attn, mlp = self.self_attn, self.mlp
-        output = (only.rows, only.positions) if only is not None else (None, None)
-        kernels.decoder_layer_(hidden, residual, self.input_layernorm.weight, self.post_attention_layernorm.weight,
-                           attn.qkv_proj.inference_weight(hidden), attn.o_proj.inference_weight(hidden),
-                           mlp.gate_up_proj.inference_weight(hidden), mlp.down_proj.inference_weight(hidden),
-                           *attn.qk_norm_weights(), *cache, cos_sin, at.positions, at.rope_positions, at.slots,
-                           *at.tree_args, attn.heads, attn.kv_heads, attn.head_dim, c.intermediate_size,
-                           c.rms_norm_eps, at.token_rows, *output)
-
-
 class NativeModel(nn.Module):
     def __init__(self, c: NativeConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                         c.qk_norm, c.rms_norm_eps) for _ in range(c.num_hidden_layers))
         self.norm = RMSNormWeight(c.hidden_size)
 
 
@@ -238,7 +215,7 @@ class NativeTarget(nn.Module):
         for i, layer in enumerate(self.model.layers):
             if i in aux:  # the stream entering layer i, copied: the layer updates both parts in place
                 records.append((i, hidden.clone(), residual.clone() if i else None))
-            layer.forward_cached(o, hidden, residual, self.caches[i], self.cos_sin, at, c,
+            layer.forward_cached(o, hidden, residual, self.caches[i], self.cos_sin, at,
                                  only=last if i == c.num_hidden_layers - 1 else None)
         if last is not None:
             hidden, residual = hidden[last.rows], residual[last.rows]
