@@ -6,9 +6,10 @@ and check that the tests meant to catch each bug fail.
     python scripts/mutants.py --list
     python scripts/mutants.py --cpp           # also the C++ mutants (a CPU-only rebuild each)
 
-Each mutant replaces an exact snippet (found exactly once in its file or, for Python code that
-moved, in one package file; else the script stops before any work: keep the list in sync with the
-code) in a fresh copy of python/qspec_ext (with its built _C*.so) and runs `pytest -x` on its
+Each mutant replaces an exact snippet, found exactly once in the function it names (a Python
+function or method by qualified name, in whichever package module defines it: code that moves
+between modules keeps its mutants) or in its C++ file; else the script stops before any work (keep
+the list in sync with the code). It does so in a fresh copy of python/qspec_ext (with its built _C*.so) and runs `pytest -x` on its
 selection with PYTHONPATH at the copy. A first, unmutated run (the built _C*.so as is) checks that
 the selections pass and that the copy is what the tests import. A mutant that survives
 its selection is run again on the whole test files of the selection before it counts as a
@@ -17,6 +18,7 @@ was killed (survived, timed out, or stale: its snippet vanished while the script
 """
 
 import argparse
+import ast
 import os
 import re
 import shutil
@@ -29,12 +31,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PKG = "python/qspec_ext"
-DECODE, EAGLE3, TRAIN = f"{PKG}/decode.py", f"{PKG}/models/eagle3.py", f"{PKG}/train.py"
-CHAIN, TREE, LAYERS = f"{PKG}/drafting/chain.py", f"{PKG}/drafting/tree.py", f"{PKG}/models/layers.py"
-SAMPLING, ARGS, OPS, ROPE, HF = (f"{PKG}/sampling.py", f"{PKG}/arguments.py", f"{PKG}/ops.py", f"{PKG}/rope.py",
-                                 f"{PKG}/targets/hf.py")
-CLI, LINEAR = f"{PKG}/cli.py", f"{PKG}/models/linear.py"
-CHECKPOINT, NATIVE, FORMATS = f"{PKG}/models/checkpoint.py", f"{PKG}/targets/native.py", f"{PKG}/models/formats.py"
 CPP_SOURCES = ("csrc", "CMakeLists.txt", "setup.py", "pyproject.toml", "README.md")
 
 DEC, DRAFTER, TR = "tests/test_decode.py::", "tests/test_eagle3_drafter.py::", "tests/test_train.py::"
@@ -57,269 +53,272 @@ HF_GENERATE, USERS = "tests/test_transformers_generate.py::", "tests/test_what_u
 @dataclass(frozen=True)
 class Mutant:
     name: str
-    file: str  # relative to the repository
-    old: str  # must occur exactly once in file
+    # Python: the function or method the bug goes into, by its qualified name ("generate",
+    # "PackedWindows._window"), found in whichever package module defines it (code that moves keeps
+    # its mutants); C++: a file relative to the repository.
+    where: str
+    old: str  # must occur exactly once there
     new: str
     tests: tuple[str, ...]  # pytest arguments: node ids, files, "-k", "expr"
 
     @property
     def cpp(self) -> bool:
-        return not self.file.startswith(PKG + "/")
+        return "/" in self.where
 
 
 MUTANTS = [
-    Mutant("position_not_advanced_by_accepted", DECODE,
+    Mutant("position_not_advanced_by_accepted", "SpeculativeDecoder._step",
            "position + accepted + 1", "position + 1", (LOSSLESS,)),
-    Mutant("tokens_after_the_stop_id_kept", DECODE,
+    Mutant("tokens_after_the_stop_id_kept", "_finish",
            "    kept = new[: min(stop + 1, max_new_tokens - len(generated))]",
            "    kept = new[: max_new_tokens - len(generated)]",
            (DEC + "test_eos_inside_an_accepted_run_stops_there",)),
-    Mutant("stream_hands_the_unkept_tokens", DECODE,  # on_tokens must see what the result keeps
+    Mutant("stream_hands_the_unkept_tokens", "_finish",  # on_tokens must see what the result keeps
            "        on_tokens(request, kept)", "        on_tokens(request, new)",
            ("tests/test_cli.py::test_streamed_tokens_are_the_result_in_order",)),
-    Mutant("sampler_ignores_temperature", DECODE,
+    Mutant("sampler_ignores_temperature", "_Sampler.process",
            "logits.float() / self.temperature", "logits.float()", (SAMPLED + "[0.5-3-None]",)),
-    Mutant("sampler_ignores_top_k_top_p", DECODE,
+    Mutant("sampler_ignores_top_k_top_p", "_Sampler.process",
            "return apply_top_k_top_p(logits.float() / self.temperature, self.top_k, self.top_p, self.max_top_k)",
            "return logits.float() / self.temperature", (SAMPLED + "[0.5-3-None]",)),
-    Mutant("philox_offset_zero_every_step", DECODE,
+    Mutant("philox_offset_zero_every_step", "SpeculativeDecoder._step",
            "logits, seeds, position + 1)", "logits, seeds, torch.zeros_like(position))", (SAMPLED + "[1.0-None-None]",)),
-    Mutant("same_seed_for_every_request", DECODE,
+    Mutant("same_seed_for_every_request", "_SpeculativeSteps.start",
            "[self.seed * 1_000_003 + b for b in range(batch)], device=device)",
            "[self.seed * 1_000_003 for b in range(batch)], device=device)", (SAMPLED + "[1.0-None-None]",)),
-    Mutant("greedy_verify_when_sampling", DECODE,
+    Mutant("greedy_verify_when_sampling", "SpeculativeDecoder.generate",
            "_SpeculativeSteps)(self, seed if temperature > 0 else None)", "_SpeculativeSteps)(self, None)",
            (SAMPLED + "[1.0-None-None]",)),
-    Mutant("prefill_pairs_misaligned", DECODE,
+    Mutant("prefill_pairs_misaligned", "_SpeculativeSteps.start",
            "pair_tokens = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)", "pair_tokens = tokens.clone()",
            (DEC + "test_first_prefill_pairs_each_prompt_token_with_the_next",)),
-    Mutant("step_pairs_misaligned", DECODE,
+    Mutant("step_pairs_misaligned", "SpeculativeDecoder._step",
            "drafter_input(drafter, verified.features, rows), out[:, :width].clamp(min=0),",
            "drafter_input(drafter, verified.features, rows), tokens[:, :width],",
            (SHIPPED,)),
-    Mutant("gather_rows_drop_last_accepted", CHAIN,
+    Mutant("gather_rows_drop_last_accepted", "ChainDrafting.verify",
            "torch.where(rows <= accepted[:, None], rows, -1)", "torch.where(rows < accepted[:, None], rows, -1)",
            (LOSSLESS,)),
-    Mutant("tree_path_kv_not_kept", TREE,
+    Mutant("tree_path_kv_not_kept", "TreeDrafting.commit",
            "self.target.commit_path(proposal.tree, path)", "pass", (TREE_LOSSLESS,)),
-    Mutant("tree_accepts_up_to_depth_past_its_nodes", TREE,
+    Mutant("tree_accepts_up_to_depth_past_its_nodes", "TreeDrafting.__init__",
            "self.max_depth = min(depth, num_draft_tokens)", "self.max_depth = depth",
            (TREES + "test_greedy_tree_decoding_is_lossless[1-4-2-2]",)),
-    Mutant("tree_positions_one_too_deep", TREE,
+    Mutant("tree_positions_one_too_deep", "TreeDrafting.propose",
            "depths = ancestors.sum(-1) - 1", "depths = ancestors.sum(-1)", (TREE_LOSSLESS,)),
-    Mutant("packed_weight_used_after_the_weight_changed", LINEAR,
+    Mutant("packed_weight_used_after_the_weight_changed", "Linear.packed_for",
            "or self.packed_from == weight_key(params[\"weight\"]))", "or True)",
            ("tests/test_linear.py::test_a_weight_changed_after_packing_is_used_not_the_stale_copy",)),
-    Mutant("packed_linear_used_under_autograd", LINEAR,
+    Mutant("packed_linear_used_under_autograd", "Linear.packed_for",
            "and not torch.is_grad_enabled() and", "and",
            ("tests/test_linear.py::test_packed_path_runs_only_under_no_grad_and_takes_strided_rows",)),
-    Mutant("compiled_projection_skips_the_packed_op", LINEAR,
+    Mutant("compiled_projection_skips_the_packed_op", "Linear.packed_for",
            "and (torch.compiler.is_compiling() or params[\"weight\"].is_meta",
            "and (not torch.compiler.is_compiling()) and (params[\"weight\"].is_meta",
            ("tests/test_linear.py::test_the_op_compiles_into_a_static_graph",)),
-    Mutant("released_weight_saved_without_its_values", LINEAR,
+    Mutant("released_weight_saved_without_its_values", "Linear._save_to_state_dict",
            'destination[prefix + "weight"] = self.dense_weight()', "pass",
            ("tests/test_linear.py::test_released_weights_live_only_in_the_packed_copy_and_come_back_exactly",)),
-    Mutant("tied_weight_released", LINEAR, "if release and uses[id(weight)] == 1:", "if release:",
+    Mutant("tied_weight_released", "pack_linears", "if release and uses[id(weight)] == 1:", "if release:",
            ("tests/test_linear.py::test_load_state_dict_into_a_released_model_and_tied_weights_stay_dense",)),
-    Mutant("tree_attention_sees_every_node", LAYERS,
+    Mutant("tree_attention_sees_every_node", "TreeAttention.__init__",
            "self.start, self.seen = start.long(), seen  #", "self.start, self.seen = start.long(), torch.ones_like(seen)  #",
            (TREES + "test_tree_forward_of_the_target_equals_running_each_path",)),
-    Mutant("draft_tree_beam_keeps_old_hidden", TREE,
+    Mutant("draft_tree_beam_keeps_old_hidden", "tree_draft",
            "hidden = x_next.gather(1, parent[..., None].expand(-1, -1, x_next.shape[-1]))", "hidden = x_next",
            (TREES + "test_draft_tree_is_the_best_nodes_by_cumulative_log_probability",)),
-    Mutant("draft_tree_lineage_not_regathered", TREE,
+    Mutant("draft_tree_lineage_not_regathered", "tree_draft",
            "lineage = lineage.gather(1, parent[..., None].expand(-1, -1, lineage.shape[-1]))", "pass",
            (TREES + "test_draft_tree_is_the_best_nodes_by_cumulative_log_probability",)),
-    Mutant("prefill_positions_off_by_one", DECODE,
+    Mutant("prefill_positions_off_by_one", "_prefill_inputs",
            "positions[b, : len(p)] = torch.arange(len(p), device=device)",
            "positions[b, : len(p)] = torch.arange(1, len(p) + 1, device=device)",
            (DEC + "test_plain_decoding_equals_transformers_generate",)),
-    Mutant("stats_skip_last_accepted_position", DECODE,
+    Mutant("stats_skip_last_accepted_position", "_decode",
            "for j in range(n):\n                    stats.accepted_per_position[j] += 1",
            "for j in range(n - 1):\n                    stats.accepted_per_position[j] += 1",
            (DEC + "test_stats_count_what_was_accepted",)),
-    Mutant("acceptance_length_without_one", DECODE,
+    Mutant("acceptance_length_without_one", "DecodeStats.mean_acceptance_length",
            "return 1.0 + self.num_accepted_tokens / max(self.num_drafts, 1)",
            "return self.num_accepted_tokens / max(self.num_drafts, 1)",
            (DEC + "test_stats_of_a_drafter_that_copies_the_target[1]",)),
-    Mutant("in_batches_keeps_last_accepted_count", f"{PKG}/bench.py",
+    Mutant("in_batches_keeps_last_accepted_count", "in_batches",
            "total.num_accepted_tokens += s.num_accepted_tokens", "total.num_accepted_tokens = s.num_accepted_tokens",
            (DEC + "test_stats_of_chunked_batches_add_up",)),
-    Mutant("first_token_time_not_recorded", DECODE,
+    Mutant("first_token_time_not_recorded", "_decode",
            "    stats.first_token_time = time.perf_counter() - start\n",
            "", (DEC + "test_first_token_time_is_the_target_prefill_only",)),
-    Mutant("prefill_last_only_takes_first_row", LAYERS,
+    Mutant("prefill_last_only_takes_first_row", "CachedPositions.last_tokens",
            "last = torch.arange(batch, device=self.positions.device) * tokens + self.positions.argmax(dim=1)",
            "last = torch.arange(batch, device=self.positions.device) * tokens + self.positions.argmin(dim=1)",
            (DRAFTER + "test_prefill_last_keeps_the_last_pairs", TARGETS + "test_a_ragged_prefill_runs_its_tokens_packed")),
-    Mutant("top_p_keeps_one_too_few", SAMPLING,
+    Mutant("top_p_keeps_one_too_few", "apply_top_k_top_p",
            "last = (before < p).sum(dim=-1, keepdim=True).clamp(min=1) - 1",
            "last = (before < p).sum(dim=-1, keepdim=True).clamp(min=2) - 2",
            ("tests/test_verify.py::test_top_k_top_p_helper",)),
-    Mutant("sampling_out_seed_offset_swapped", OPS,
+    Mutant("sampling_out_seed_offset_swapped", "verify_sampling_out",
            "_ops.verify_sampling_out(draft_ids, draft_probs, target_logits, temperature, seed, offset,",
            "_ops.verify_sampling_out(draft_ids, draft_probs, target_logits, temperature, offset, seed,",
            ("tests/test_properties.py::test_verify_sampling",)),
-    Mutant("chain_draft_positions_not_advanced", CHAIN,
+    Mutant("chain_draft_positions_not_advanced", "chain_logits",
            "hidden, position = hidden[:, 0], position + 1", "hidden, position = hidden[:, 0], position",
            (INDEPENDENT,)),
-    Mutant("missing_norm_output_defaults_true", FORMATS,
+    Mutant("missing_norm_output_defaults_true", "from_speculators",
            "**{name: bool(cfg.get(name, False)) for name in FLAGS}",
            "**{name: bool(cfg.get(name, name == 'norm_output')) for name in FLAGS}",
            (DRAFTER + "test_missing_speculators_flags_default_to_false_and_are_logged",)),
-    Mutant("norm_output_ignored_in_draft", EAGLE3,
+    Mutant("norm_output_ignored_in_draft", "Eagle3Drafter._pairs",
            "x_next = out if c.norm_output else residual", "x_next = residual", (INDEPENDENT,)),
-    Mutant("d2t_mapping_dropped", EAGLE3,
+    Mutant("d2t_mapping_dropped", "Eagle3Drafter.draft_to_target",
            "return draft_ids if self.d2t is None else draft_ids + self.d2t[draft_ids]", "return draft_ids",
            (INDEPENDENT,)),
-    Mutant("draft_starts_on_last_prefilled_position", EAGLE3,
+    Mutant("draft_starts_on_last_prefilled_position", "Eagle3Drafter.prefill",
            "positions[last] + 1)", "positions[last])",
            (INDEPENDENT, DRAFTER + "test_rollback_is_moving_positions")),
-    Mutant("hf_target_stale_columns_not_masked", HF,  # the batched path's rollback
+    Mutant("hf_target_stale_columns_not_masked", "_Group.plan",  # the batched path's rollback
            "self.valid &= self.col_pos < torch.tensor(first, device=self.device)[:, None]", "pass",
            (DEC + "test_greedy_is_lossless_hf_target[1-3]",)),
-    Mutant("hf_target_cache_not_cropped", HF,  # the one-at-a-time path of sliding-window models
+    Mutant("hf_target_cache_not_cropped", "HFTarget._forward_cropping",  # the one-at-a-time path of sliding-window models
            "if stale > 0:", "if False:", (DEC + "test_hf_target_that_cannot_batch_crops_per_request",)),
-    Mutant("teacher_shifted_by_one", TRAIN,
+    Mutant("teacher_shifted_by_one", "ttt_loss",
            "step_labels = tuple(t[:, source[:count]] for t in labels)",
            "step_labels = tuple(t[:, source[:count] - 1] for t in labels)",
            (TR + "test_ttt_loss_counts_only_weighted_rows",)),
-    Mutant("prompt_rows_trained", TRAIN,
+    Mutant("prompt_rows_trained", "TargetFeatures.layout",
            "trained[start + max(first - 1, 0) : start + len(ids) - 1] = True",
            "trained[start : start + len(ids) - 1] = True",
            (TR + "test_training_windows_stay_in_one_sequence_and_train_only_its_answer",)),
-    Mutant("windows_train_the_next_sequence", TRAIN,
+    Mutant("windows_train_the_next_sequence", "TargetFeatures.batch",
            "weight = (self.trained[rows] & inside).float()", "weight = self.trained[rows].float()",
            (TR + "test_training_windows_stay_in_one_sequence_and_train_only_its_answer",)),
-    Mutant("loss_ignores_the_row_weights", TRAIN,
+    Mutant("loss_ignores_the_row_weights", "ttt_loss",
            "w = torch.ones(B, count, device=h.device) if weight is None else weight[:, source[:count]]",
            "w = torch.ones(B, count, device=h.device)",
            (TR + "test_ttt_loss_counts_only_weighted_rows",)),
-    Mutant("features_of_a_stale_store_reused", TRAIN,
+    Mutant("features_of_a_stale_store_reused", "cached_target_features",
            '(("tokens", tokens), ("starts", starts), ("draft_ids", draft_ids.cpu()))',
            '(("tokens", tokens), ("starts", starts))',
            (TR + "test_stored_features_are_reused_only_for_the_same_data_and_vocabulary",)),
-    Mutant("ttt_positions_not_advanced", TRAIN,
-           "target_ids[:, source], base + step, cos_sin, past, seg)", "target_ids[:, source], base, cos_sin, past, seg)",
+    Mutant("ttt_positions_not_advanced", "ttt_loss",
+           "target_ids[:, source], base + step, cos_sin, visible, past)", "target_ids[:, source], base, cos_sin, visible, past)",
            (TR + "test_ttt_step_two_is_the_drafters_second_step",)),
-    Mutant("weighted_rows_only_takes_the_others", TRAIN,
+    Mutant("weighted_rows_only_takes_the_others", "ttt_loss",
            "rows = w > 0", "rows = w == 0",
            (TR + "test_loss_on_weighted_rows_only_equals_the_full_loss_restricted_to_them",)),
-    Mutant("packed_records_see_each_other", TRAIN,
+    Mutant("packed_records_see_each_other", "causal_mask",
            "visible = (visible & (segment[:, :, None] == segment[:, None, :]))[:, None]",
            "visible = visible[None, None]",
            (TR + "test_packed_windows_see_only_their_own_record",)),
-    Mutant("packed_labels_cross_records", TRAIN,
+    Mutant("packed_labels_cross_records", "ttt_loss",
            "w = w * (segment[:, :count] == segment[:, source[:count]])", "w = w",
            (TR + "test_packed_windows_see_only_their_own_record",)),
-    Mutant("packed_positions_run_on", TRAIN,
+    Mutant("packed_positions_run_on", "PackedWindows.next",
            "positions[b, at : at + n] = torch.arange(n)", "positions[b, at : at + n] = torch.arange(at, at + n)",
            (TR + "test_packed_windows_see_only_their_own_record",)),
-    Mutant("batched_features_one_layer_late", TRAIN,
+    Mutant("batched_features_one_layer_late", "TargetFeatures.compute_batched",
            "torch.cat([out.hidden_states[i] for i in aux_layer_ids], dim=-1)",
            "torch.cat([out.hidden_states[i + 1] for i in aux_layer_ids], dim=-1)",
            (TR + "test_batched_features_equal_the_targets_own",)),
-    Mutant("warm_start_loads_nothing", TRAIN,
+    Mutant("warm_start_loads_nothing", "warm_start",
            "            own[k].copy_(v.to(own[k].dtype))", "            pass",
            (TR + "test_warm_start_loads_the_drafter_and_refuses_another_vocabulary",)),
-    Mutant("resume_forgets_the_packing_cursor", TRAIN,
-           "                packer.load_state(packer_state)", "                pass",
+    Mutant("resume_forgets_the_packing_cursor", "training_batches",
+           "            state.packer.load_state(state.packer_state)", "            pass",
            (TR + "test_a_packed_run_resumes_with_its_feature_cache_gone",)),
-    Mutant("penalty_ignores_the_drafts_before_a_row", SAMPLING,
+    Mutant("penalty_ignores_the_drafts_before_a_row", "apply_repetition_penalty",
            "            mask[:, j].scatter_(-1, drafts[:, :j], True)", "            pass",
            (DEC + "test_repetition_penalty_rows_count_the_drafts_before_them",
             DEC + "test_repetition_penalty_is_transformers_and_speculation_keeps_it")),
-    Mutant("penalty_forgets_accepted_tokens", DECODE,
+    Mutant("penalty_forgets_accepted_tokens", "SpeculativeDecoder._step",
            "        sampler.observe(out, torch.arange(out.shape[1], device=out.device) <= accepted[:, None])", "",
            (DEC + "test_repetition_penalty_is_transformers_and_speculation_keeps_it",)),
-    Mutant("penalty_raises_negative_logits", SAMPLING,
+    Mutant("penalty_raises_negative_logits", "apply_repetition_penalty",
            "torch.where(logits > 0, logits / penalty, logits * penalty)", "logits / penalty",
            (DEC + "test_repetition_penalty_rows_count_the_drafts_before_them",
             DEC + "test_repetition_penalty_is_transformers_and_speculation_keeps_it")),
-    Mutant("drafts_ignore_the_repetition_penalty", DECODE,
+    Mutant("drafts_ignore_the_repetition_penalty", "SpeculativeDecoder._step",
            "penalty = None if sampler.seen is None else sampler.draft_penalty()",
            "penalty = None",
            (DEC + "test_drafts_carry_the_repetition_penalty",)),
-    Mutant("chain_drafts_forget_their_own_choices", CHAIN,
+    Mutant("chain_drafts_forget_their_own_choices", "chain_logits",
            "seen = seen.scatter(1, choice[:, None], True)", "seen = seen",
            (DEC + "test_drafts_carry_the_repetition_penalty",)),
-    Mutant("truncated_top_p_ignores_ties", SAMPLING,
+    Mutant("truncated_top_p_ignores_ties", "apply_top_k_top_p",
            "(weights.sum(-1, keepdim=True) + ties * (kth.float() - top).exp())", "weights.sum(-1, keepdim=True)",
            (DEC + "test_top_k_top_p_sorting_only_the_top_k_gives_the_same_sets",)),
-    Mutant("yarn_attention_factor_dropped", ROPE,
+    Mutant("yarn_attention_factor_dropped", "rope_inv_freq",
            "return inv, float(attention) if attention is not None else 0.1 * math.log(factor) + 1.0",
            "return inv, 1.0",
            (DEC + "test_rope_table_matches_transformers_init_functions",
             DRAFTER + "test_rope_spellings_and_scaling_match_transformers")),
-    Mutant("prompts_out_of_range_accepted", ARGS,
+    Mutant("prompts_out_of_range_accepted", "check_prompts",
            "if not 0 <= token < vocab_size:", "if token < 0:",
            ("tests/test_errors.py::test_bad_generate_arguments", "-k", "outside")),
-    Mutant("top_p_zero_accepted", ARGS,
+    Mutant("top_p_zero_accepted", "check_sampling",
            '"top_p", top_p, 0.0, 1.0, low_open=True)', '"top_p", top_p, 0.0, 1.0, low_open=False)',
            ("tests/test_errors.py::test_bad_generate_arguments", "-k", "top_p")),
     # Survivors of an independent review, each killed by a test written for it.
-    Mutant("tree_cache_margin_without_depth", TREE,
+    Mutant("tree_cache_margin_without_depth", "TreeDrafting.__init__",
            "self.cache_margin = depth + max(num_draft_tokens + 1, (depth - 1) * topk + 1)",
            "self.cache_margin = max(num_draft_tokens + 1, (depth - 1) * topk + 1)",
            (TREES + "test_the_margin_holds_the_last_draft_of_a_finished_request",)),
-    Mutant("draft_tree_beam_positions_not_advanced", TREE,
+    Mutant("draft_tree_beam_positions_not_advanced", "tree_draft",
            "positions = (start + step)[:, None].expand(B, topk)", "positions = start[:, None].expand(B, topk)",
            (TREES + "test_a_topk_one_tree_drafts_the_chain",)),
-    Mutant("step_gathers_tree_rows_with_the_chain_stride", DECODE,
+    Mutant("step_gathers_tree_rows_with_the_chain_stride", "SpeculativeDecoder._step",
            "torch.arange(batch, device=last.device)[:, None] * tokens.shape[1] + path[:, :width]",
            "torch.arange(batch, device=last.device)[:, None] * width + path[:, :width]",
            (TREES + "test_identical_requests_of_a_tree_batch_get_identical_drafts",)),
-    Mutant("saved_drafter_drops_rope_scaling", FORMATS,
+    Mutant("saved_drafter_drops_rope_scaling", "to_speculators",
            '"rope_parameters": rope_parameters(config.rope_theta, config.rope_scaling),',
            '"rope_parameters": rope_parameters(config.rope_theta, None),',
            (TARGETS + "test_saved_drafter_drafts_as_before_with_rope_scaling",)),
-    Mutant("d2t_repeated_target_accepted", FORMATS,
+    Mutant("d2t_repeated_target_accepted", "check_vocab_mapping",
            "repeats = (targets[1:] <= targets[:-1]).nonzero()", "repeats = (targets[1:] < targets[:-1]).nonzero()",
            (TARGETS + "test_d2t_with_a_repeated_target_is_a_checkpoint_error",)),
-    Mutant("top_p_ignores_top_k", SAMPLING,
+    Mutant("top_p_ignores_top_k", "apply_top_k_top_p",
            '        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))\n', "",
            (DEC + "test_top_p_is_taken_over_the_renormalized_top_k_set",)),
-    Mutant("cli_drops_top_k", CLI,
+    Mutant("cli_drops_top_k", "sampling_args",
            "return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,",
            "return dict(temperature=args.temperature, top_k=None, top_p=args.top_p, seed=args.seed,",
            (CLI_TESTS + "test_cli_top_k_reaches_the_sampler",)),
-    Mutant("cod_keep_not_conditional_on_parent", TRAIN,
+    Mutant("cod_keep_not_conditional_on_parent", "cod_nodes",
            "keep = max(ratio**d, floor) / max(ratio ** (d - 1), floor)", "keep = max(ratio**d, floor)",
            (TR + "test_cod_nodes_nest_and_keep_the_configured_fraction_per_depth",)),
-    Mutant("cod_depths_sampled_independently", TRAIN,
+    Mutant("cod_depths_sampled_independently", "cod_nodes",
            "kept = kept[(torch.rand(len(kept), generator=generator) < keep) & (kept + d + 1 <= length)]",
            "kept = torch.arange(length)[(torch.rand(length, generator=generator) < max(ratio**d, floor))"
            " & (torch.arange(length) + d + 1 <= length)]",
            (TR + "test_cod_nodes_nest_and_keep_the_configured_fraction_per_depth",)),
     # Several stop ids (decode.py _StopIds, _read_tokens, _finish).
-    Mutant("finish_ignores_the_stop_index", DECODE,
+    Mutant("finish_ignores_the_stop_index", "_finish",
            "kept = new[: min(stop + 1, max_new_tokens - len(generated))]", "kept = new[: max_new_tokens - len(generated)]",
            (STOP_IN_RUN,)),
-    Mutant("stop_ids_first_finds_the_last_stop", DECODE,
+    Mutant("stop_ids_first_finds_the_last_stop", "_StopIds.first",
            "return torch.where(torch.isin(tokens, self.ids), columns, width).min(dim=1).values",
            "hit = torch.isin(tokens, self.ids)\n"
            "        return torch.where(hit.any(dim=1), torch.where(hit, columns, -1).max(dim=1).values, width)",
            (DEC + "test_two_stop_ids_in_one_accepted_run_stop_at_the_first",)),
-    Mutant("read_tokens_skip_not_applied", DECODE,
+    Mutant("read_tokens_skip_not_applied", "_read_tokens",
            "stops.first(rows[:, skip:])[:, None]", "stops.first(rows)[:, None]", (STOP_IN_RUN,)),
     # The RoPE config parser (rope.py rope_config).
-    Mutant("rope_config_drops_the_scaling", ROPE,
+    Mutant("rope_config_drops_the_scaling", "rope_config",
            'scaling = rope or dict(config.get("rope_scaling") or {}) or None', "scaling = None", (ROPE_SPELLINGS,)),
-    Mutant("rope_config_legacy_type_not_renamed", ROPE,
+    Mutant("rope_config_legacy_type_not_renamed", "rope_config",
            'scaling["rope_type"] = scaling.pop("type")', "pass", (ROPE_SPELLINGS,)),
-    Mutant("rope_config_old_scaling_ignored", ROPE,
+    Mutant("rope_config_old_scaling_ignored", "rope_config",
            'scaling = rope or dict(config.get("rope_scaling") or {}) or None', "scaling = rope or None",
            (ROPE_SPELLINGS,)),
-    Mutant("mapped_embedding_pages_kept_after_packing", CHECKPOINT,
+    Mutant("mapped_embedding_pages_kept_after_packing", "MappedTensor.release_pages",
            "        _advise(self.tensor, 4)  # MADV_DONTNEED", "        pass  # MADV_DONTNEED", (MAPPED_EMBEDDING,)),
-    Mutant("mapped_embedding_page_cache_kept", CHECKPOINT,
+    Mutant("mapped_embedding_page_cache_kept", "MappedTensor.release_pages",
            "os.posix_fadvise(fd, self.offset, nbytes, os.POSIX_FADV_DONTNEED)", "pass", (MAPPED_EMBEDDING,)),
-    Mutant("mapped_embedding_packed_again_at_setup", NATIVE,
+    Mutant("mapped_embedding_packed_again_at_setup", "NativeTarget._map_tied_embedding",
            "        pack_linears(self.lm_head)\n", "", (MAPPED_EMBEDDING,)),
-    Mutant("mapped_embedding_offset_ignores_the_header", CHECKPOINT,
+    Mutant("mapped_embedding_offset_ignores_the_header", "map_tensor",
            "begin, end = (8 + header_size + offset for", "begin, end = (8 + offset for", (MAPPED_EMBEDDING,)),
-    Mutant("freed_heap_unmapped_again", CHECKPOINT,
+    Mutant("freed_heap_unmapped_again", "reuse_freed_heap",
            "keep_freed_memory(trim_threshold=1 << 30, mmap_threshold=32 << 20)", "pass",
            (DEC + "test_cpu_setup_keeps_freed_activations_mapped",)),
     # C++ (with --cpp): a CPU-only rebuild of the copy per mutant, minutes each.
@@ -486,42 +485,46 @@ MUTANTS = [
            "context_rows = torch::stable::index_select(context_rows, 0, *token_rows);",
            "context_rows = torch::stable::narrow(context_rows, 0, 0, token_rows->size(0));",
            (DECODER_LAYER + "test_packed_tokens_match_their_rows_of_the_grid",)),
-    Mutant("packed_capture_gathered_by_grid_rows", f"{PKG}/capture.py",
+    Mutant("packed_capture_gathered_by_grid_rows", "AuxFeatures.gather",
            "        if self.packed_row is not None:\n", "        if False:\n",
            (TARGETS + "test_a_ragged_prefill_runs_its_tokens_packed",)),
-    Mutant("packed_target_embeds_the_first_rows", NATIVE,
+    Mutant("packed_target_embeds_the_first_rows", "NativeTarget.forward",
            "hidden = self.model.embed_tokens(at.tokens(tokens.reshape(-1)))",
            "hidden = self.model.embed_tokens(tokens.reshape(-1)[: at.slots.shape[0]])",
            (TARGETS + "test_a_ragged_prefill_runs_its_tokens_packed",)),
-    Mutant("last_layer_residual_of_the_first_rows", NATIVE,
+    Mutant("last_layer_residual_of_the_first_rows", "NativeTarget.forward",
            "hidden, residual = hidden[last.rows], residual[last.rows]",
            "hidden, residual = hidden[last.rows], residual[: last.rows.shape[0]]",
            (TARGETS + "test_a_ragged_prefill_runs_its_tokens_packed",)),
-    Mutant("drafter_last_layer_residual_of_the_first_rows", EAGLE3,
-           "                residual = residual[only.rows]\n", "                residual = residual[: only.rows.shape[0]]\n",
+    Mutant("drafter_last_layer_residual_of_the_first_rows", "Eagle3Drafter._pairs",
+           "            residual = residual[only.rows]\n", "            residual = residual[: only.rows.shape[0]]\n",
+           (DRAFTER + "test_prefill_last_keeps_the_last_pairs",)),
+    Mutant("drafter_later_layers_last_rows_of_the_first_rows", "Eagle3Drafter._pairs",
+           "out, residual = out[last.rows], residual[last.rows]",
+           "out, residual = out[: last.rows.shape[0]], residual[: last.rows.shape[0]]",
            (DRAFTER + "test_prefill_last_keeps_the_last_pairs",)),
     # Finished requests leave the batch (keep_requests).
-    Mutant("finished_requests_caches_not_moved", LAYERS, "            if r != i and n > 0:\n",
+    Mutant("finished_requests_caches_not_moved", "keep_requests", "            if r != i and n > 0:\n",
            "            if False:\n", (DEC + "test_finished_requests_leave_the_batch",)),
-    Mutant("finished_requests_draft_state_not_moved", DECODE, "self.state = self.state.select(index)",
+    Mutant("finished_requests_draft_state_not_moved", "_SpeculativeSteps.keep_requests", "self.state = self.state.select(index)",
            "self.state = self.state.select(torch.arange(len(rows), device=index.device))",
            (DEC + "test_finished_requests_leave_the_batch",)),
-    Mutant("drafts_past_the_cache_allowed", EAGLE3, "if start + slots > self.max_length:",
+    Mutant("drafts_past_the_cache_allowed", "Eagle3Drafter.check_draft_room", "if start + slots > self.max_length:",
            "if start + slots > self.max_length + 1:",
            ("tests/test_parallel_drafting.py::test_drafts_past_the_cache_are_an_error",)),
-    Mutant("finished_requests_hf_rows_not_remapped", HF, "self._slots = [self._slots[r] for r in rows]",
+    Mutant("finished_requests_hf_rows_not_remapped", "HFTarget.keep_requests", "self._slots = [self._slots[r] for r in rows]",
            "self._slots = self._slots[: len(rows)]", (DEC + "test_finished_requests_leave_the_batch",)),
-    Mutant("finished_requests_random_streams_not_moved", DECODE,
+    Mutant("finished_requests_random_streams_not_moved", "_Sampler.keep_requests",
            "self.generators = [self.generators[i] for i in rows]", "self.generators = self.generators[: len(rows)]",
            (DEC + "test_finished_requests_leave_the_batch",)),
-    Mutant("finished_requests_row_at_the_new_size_dropped", DECODE,
+    Mutant("finished_requests_row_at_the_new_size_dropped", "_kept_rows",
            "for hole, row in zip(holes, [i for i in running if i >= size]):",
            "for hole, row in zip(holes, [i for i in running if i > size]):",
            (DEC + "test_kept_rows_fill_the_finished_rows_from_the_end",)),
-    Mutant("finished_requests_compiled_batch_of_any_size", DECODE,
+    Mutant("finished_requests_compiled_batch_of_any_size", "_kept_rows",
            "size = min(len(live), 1 << max(len(running) - 1, 0).bit_length()) if compiled else len(running)",
            "size = len(running)", ("tests/test_compiled.py::test_compiled_steps_drop_finished_requests_in_powers_of_two",)),
-    Mutant("cuda_graph_results_left_in_graph_memory", f"{PKG}/compiled.py",
+    Mutant("cuda_graph_results_left_in_graph_memory", "_owning_results.call",
            "        return _copied(fn(*args, **kwargs))\n", "        return fn(*args, **kwargs)\n",
            ("tests/test_compiled.py::test_cuda_graph_results_are_copied_out_of_the_graph_memory",)),
     Mutant("decoder_layer_second_norm_with_the_first_weight", "csrc/decoder_layer.cpp",
@@ -534,80 +537,80 @@ MUTANTS = [
     Mutant("decoder_layer_tree_not_passed_to_attention", "csrc/decoder_layer.cpp",
            "0, tree_start, tree_seen);", "0, std::nullopt, std::nullopt);",
            (DECODER_LAYER + "test_matches_the_reference_composition",)),
-    Mutant("native_aux_features_recorded_by_reference", NATIVE,
+    Mutant("native_aux_features_recorded_by_reference", "NativeTarget.forward",
            "records.append((i, hidden.clone(), residual.clone() if i else None))",
            "records.append((i, hidden, residual if i else None))",
            (TARGETS + "test_llama_target_matches_transformers",)),
-    Mutant("rope_table_rebuilt_at_every_setup", LAYERS,
+    Mutant("rope_table_rebuilt_at_every_setup", "static_cos_sin",
            "if existing is not None and existing.shape[0] == max_length", "if False",
            ("tests/test_compiled.py::test_setup_keeps_the_rope_tables_and_caches_that_fit",)),
-    Mutant("freed_memory_never_released", TRAIN, "        libc.malloc_trim(0)", "        pass",
+    Mutant("freed_memory_never_released", "trim_heap", "        libc.malloc_trim(0)", "        pass",
            (TR + "test_training_keeps_freed_memory_instead_of_faulting_it_in_again",)),
-    Mutant("freed_memory_not_kept", f"{PKG}/heap.py", "mapped = libc.mallopt(_M_MMAP_MAX, 0)",
+    Mutant("freed_memory_not_kept", "keep_freed_memory", "mapped = libc.mallopt(_M_MMAP_MAX, 0)",
            "mapped = libc.mallopt(_M_MMAP_MAX, 65536)",
            (TR + "test_training_keeps_freed_memory_instead_of_faulting_it_in_again",)),
-    Mutant("tree_propose_takes_a_penalty", f"{PKG}/drafting/base.py",
+    Mutant("tree_propose_takes_a_penalty", "check_propose",
            "if penalty is not None and drafting.topk > 1:", "if False:", (LOOKUP + "test_lookup_errors",)),
-    Mutant("target_features_without_the_residual", NATIVE,
+    Mutant("target_features_without_the_residual", "NativeTarget.forward",
            "features = AuxFeatures.of(self.aux_layer_ids, records, at.packed_row)",
            "features = AuxFeatures.of(self.aux_layer_ids, [(i, h, None) for i, h, _ in records], at.packed_row)",
            (DEC + "test_qwen3_target_matches_transformers",)),
     # adaptive speculation, prompt lookup, transformers' generate, what users see
-    Mutant("adaptive_waiting_pairs_dropped", DECODE, "            if self.waiting:\n                self._prefill_waiting()",
+    Mutant("adaptive_waiting_pairs_dropped", "_AdaptiveSteps.step", "            if self.waiting:\n                self._prefill_waiting()",
            "            if self.waiting:\n                self.waiting = []",
            (ADAPTIVE + "test_plain_steps_pairs_reach_the_drafter_before_it_drafts_again",)),
-    Mutant("adaptive_plain_step_position_not_advanced", DECODE,
+    Mutant("adaptive_plain_step_position_not_advanced", "_AdaptiveSteps._plain_step",
            "return token[:, None], torch.zeros_like(position), token, position + 1",
            "return token[:, None], torch.zeros_like(position), token, position",
            (ADAPTIVE + "test_adaptive_greedy_is_plain_decoding",)),
-    Mutant("adaptive_waiting_pairs_not_moved_with_the_batch", DECODE,
+    Mutant("adaptive_waiting_pairs_not_moved_with_the_batch", "_AdaptiveSteps.keep_requests",
            "        self.waiting = [tuple(t[index] for t in pair) for pair in self.waiting]\n", "",
            (ADAPTIVE + "test_adaptive_requests_that_stop_early_keep_their_waiting_pairs",)),
-    Mutant("adaptive_rate_ignores_the_cost", f"{PKG}/adaptive.py",
+    Mutant("adaptive_rate_ignores_the_cost", "DraftLengthPolicy.rates",
            "expected_tokens(acceptance, k) / c for k", "expected_tokens(acceptance, k) + 0 * c for k",
            (ADAPTIVE + "test_policy_picks_the_most_tokens_per_second",)),
-    Mutant("adaptive_acceptance_counts_rejected_drafts", f"{PKG}/adaptive.py",
+    Mutant("adaptive_acceptance_counts_rejected_drafts", "DraftLengthPolicy.record",
            "self.accepted[j] += 1.0 if n > j else 0.0", "self.accepted[j] += 1.0",
            (ADAPTIVE + "test_policy_acceptance_follows_what_was_accepted",)),
-    Mutant("adaptive_never_probes", f"{PKG}/adaptive.py",
+    Mutant("adaptive_never_probes", "DraftLengthPolicy.choose",
            "if k == 0 and self.plain_streak >= every:", "if False:",
            (ADAPTIVE + "test_policy_probes_a_draft_while_plain_steps_win",)),
-    Mutant("lookup_takes_the_earliest_match", f"{PKG}/drafting/lookup.py",
+    Mutant("lookup_takes_the_earliest_match", "lookup_drafts",
            "latest = torch.where(usable, starts, -1).max(dim=1).values",
            "latest = torch.where(usable, starts, 2**31).min(dim=1).values.masked_fill(~usable.any(1), -1)",
            (LOOKUP + "test_lookup_drafts_match_the_rule_written_by_hand",)),
-    Mutant("lookup_match_may_reach_the_stale_tail", f"{PKG}/drafting/lookup.py",
+    Mutant("lookup_match_may_reach_the_stale_tail", "lookup_drafts",
            "usable = match & (starts + n < length[:, None])", "usable = match & (starts + n <= length[:, None])",
            (LOOKUP + "test_lookup_drafts_match_the_rule_written_by_hand",)),
-    Mutant("lookup_context_one_position_early", DECODE,
+    Mutant("lookup_context_one_position_early", "_SpeculativeSteps.step",
            "columns = position[:, None] + 1 + torch.arange(out.shape[1], device=out.device)",
            "columns = position[:, None] + torch.arange(out.shape[1], device=out.device)",
            (LOOKUP + "test_the_context_lookup_reads_is_each_requests_own_tokens",)),
-    Mutant("transformers_padding_not_removed", f"{PKG}/integrations/transformers.py",
+    Mutant("transformers_padding_not_removed", "_prompts",
            "return [row[mask.bool()].tolist() for row, mask in zip(input_ids, attention_mask)]",
            "return input_ids.tolist()", (HF_GENERATE + "test_greedy_equals_generates_own_on_a_left_padded_batch",)),
-    Mutant("transformers_streamer_not_fed", f"{PKG}/integrations/transformers.py",
+    Mutant("transformers_streamer_not_fed", "eagle3",
            "on_tokens = None if streamer is None else", "on_tokens = None if True else",
            (HF_GENERATE + "test_the_streamer_receives_exactly_the_returned_tokens",)),
-    Mutant("transformers_unknown_processor_taken", f"{PKG}/integrations/transformers.py",
+    Mutant("transformers_unknown_processor_taken", "_check_supported",
            "        if type(processor).__name__ not in IMPLEMENTED_PROCESSORS:", "        if False:",
            (HF_GENERATE + "test_what_it_does_not_implement_is_refused_by_name",)),
-    Mutant("vllm_cuda_tensors_taken_by_default", f"{PKG}/integrations/vllm.py",
+    Mutant("vllm_cuda_tensors_taken_by_default", "_our_device",
            "(t.device.type == \"cuda\" and seam in _state.get(\"cuda\", ()))", "(t.device.type == \"cuda\")",
            ("tests/test_vllm_seams_on_cuda.py",)),
-    Mutant("converted_cache_named_without_the_modification_time", CHECKPOINT,
+    Mutant("converted_cache_named_without_the_modification_time", "map_tensor_converted",
            "|{stat.st_mtime_ns}|{key}|", "|{key}|", (USERS + "test_the_converted_tensor_cache_follows_a_checkpoint_rewritten_in_place",)),
-    Mutant("eos_token_dict_ignored", f"{PKG}/text.py", "        eos_token = eos_token.get(\"content\")",
+    Mutant("eos_token_dict_ignored", "stop_ids", "        eos_token = eos_token.get(\"content\")",
            "        eos_token = None", (USERS + "test_an_eos_token_written_as_a_dict_is_a_stop_id",)),
-    Mutant("drafts_penalty_by_draft_id", CHAIN, "return factor, seen[:, drafter.draft_to_target(vocab)]",
+    Mutant("drafts_penalty_by_draft_id", "in_draft_vocabulary", "return factor, seen[:, drafter.draft_to_target(vocab)]",
            "return factor, seen[:, vocab]", (USERS + "test_the_drafts_penalty_through_a_draft_vocabulary_is_the_targets_penalty",)),
-    Mutant("chat_default_penalty_lost", CLI, "args.repetition_penalty = 1.0 if args.compile or args.topk > 1 else DEMO_PENALTY",
+    Mutant("chat_default_penalty_lost", "cmd_chat", "args.repetition_penalty = 1.0 if args.compile or args.topk > 1 else DEMO_PENALTY",
            "args.repetition_penalty = 1.0", (USERS + "test_every_cli_default_reaches_the_loop",)),
-    Mutant("packing_skips_an_exact_fit", TRAIN, "            if n <= space:", "            if n < space:",
+    Mutant("packing_skips_an_exact_fit", "PackedWindows._window", "            if n <= space:", "            if n < space:",
            (USERS + "test_packing_puts_a_record_that_exactly_fills_the_space_into_that_window",)),
-    Mutant("draft_vocabulary_counts_prompts", TRAIN, "for t in ids[max(first, 1):])", "for t in ids[1:])",
+    Mutant("draft_vocabulary_counts_prompts", "draft_vocabulary", "for t in ids[max(first, 1):])", "for t in ids[1:])",
            (USERS + "test_the_draft_vocabulary_counts_answer_tokens_only",)),
-    Mutant("sampled_streams_follow_the_batch_row", DECODE, "        self.seeds = None if self.seeds is None else self.seeds[index]",
+    Mutant("sampled_streams_follow_the_batch_row", "_SpeculativeSteps.keep_requests", "        self.seeds = None if self.seeds is None else self.seeds[index]",
            "        self.seeds = None if self.seeds is None else self.seeds[: len(rows)]",
            (USERS + "test_a_sampled_request_keeps_its_tokens_when_others_stop_early",)),
 ]
@@ -633,26 +636,47 @@ class Stale(Exception):
     """A mutant's old snippet is not in its file exactly once: the list is out of sync with the code."""
 
 
-def locate(m: Mutant, root: Path = REPO) -> Path:
-    """The file the mutant changes: its own file where the snippet occurs there exactly once, else
-    (Python) the one package file that holds it, once: code moved between modules keeps its mutants."""
-    path = root / m.file
-    if m.cpp or (path.is_file() and path.read_text().count(m.old) == 1):
-        return path
-    counts = {path: path.read_text().count(m.old) for path in sorted((root / PKG).rglob("*.py"))}
-    holders = [path for path, count in counts.items() if count]
-    if len(holders) == 1 and counts[holders[0]] == 1:
-        return holders[0]
-    where = ", ".join(f"{path.relative_to(root)} ({counts[path]})" for path in holders) or "no package file"
-    raise Stale(f"{m.name}: the old snippet must occur exactly once in {m.file} or in one package file; "
-                f"found in {where}:\n{m.old}")
+def functions(path: Path) -> dict[str, list[tuple[int, int]]]:
+    """Every function and method of a Python file by qualified name: its (start, end) offsets in
+    the text, decorators included."""
+    text = path.read_text()
+    line_starts = [0] + [m.end() for m in re.finditer("\n", text)]
+    found: dict[str, list[tuple[int, int]]] = {}
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = prefix + child.name
+                if not isinstance(child, ast.ClassDef):
+                    first = min([child.lineno] + [d.lineno for d in child.decorator_list])
+                    end = line_starts[child.end_lineno] if child.end_lineno < len(line_starts) else len(text)
+                    found.setdefault(name, []).append((line_starts[first - 1], end))
+                visit(child, name + ".")
+
+    visit(ast.parse(text), "")
+    return found
 
 
-def mutate(text: str, m: Mutant) -> str:
-    count = text.count(m.old)
+def locate(m: Mutant, root: Path = REPO) -> tuple[Path, int, int]:
+    """The file the mutant changes and the span of it that must hold the old snippet exactly once:
+    a C++ file whole, or the one package function named ``m.where``."""
+    if m.cpp:
+        path = root / m.where
+        return path, 0, len(path.read_text())
+    spans = [(path, *span) for path in sorted((root / PKG).rglob("*.py"))
+             for span in functions(path).get(m.where, ())]
+    if len(spans) != 1:
+        where = ", ".join(str(path.relative_to(root)) for path, _, _ in spans) or "no package module"
+        raise Stale(f"{m.name}: {m.where} must be defined exactly once in the package; found in {where}")
+    return spans[0]
+
+
+def mutate(text: str, m: Mutant, start: int, end: int) -> str:
+    """``text`` with the old snippet, which must occur exactly once in ``text[start:end]``, replaced."""
+    count = text[start:end].count(m.old)
     if count != 1:
-        raise Stale(f"{m.name}: the old snippet occurs {count} times (must be exactly once):\n{m.old}")
-    return text.replace(m.old, m.new)
+        raise Stale(f"{m.name}: the old snippet occurs {count} times in {m.where} (must be exactly once):\n{m.old}")
+    return text[:start] + text[start:end].replace(m.old, m.new) + text[end:]
 
 
 def make_copy(root: Path, mutant: Mutant | None, build: bool) -> None:
@@ -665,8 +689,8 @@ def make_copy(root: Path, mutant: Mutant | None, build: bool) -> None:
             (shutil.copytree if (REPO / name).is_dir() else shutil.copy)(REPO / name, root / name)
     (root / "mutants_probe.py").write_text(PROBE)
     if mutant is not None:
-        path = locate(mutant, root)
-        path.write_text(mutate(path.read_text(), mutant))
+        path, start, end = locate(mutant, root)
+        path.write_text(mutate(path.read_text(), mutant, start, end))
     if build:
         proc = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=root,
                               env=os.environ | {"QSPEC_CUDA": "0"}, capture_output=True, text=True)
@@ -738,13 +762,14 @@ def main() -> int:
     chosen = [m for m in MUTANTS if (m.name in args.only if args.only else args.cpp or not m.cpp)]
     try:  # fail before any work if the list is out of sync with the code
         for m in chosen:
-            mutate(locate(m).read_text(), m)
+            path, start, end = locate(m)
+            mutate(path.read_text(), m, start, end)
     except Stale as e:
         sys.exit(f"mutants: {e}")
     if args.list:
-        name_width, file_width = (max(len(getattr(m, a)) for m in chosen) for a in ("name", "file"))
+        name_width, where_width = (max(len(getattr(m, a)) for m in chosen) for a in ("name", "where"))
         for m in chosen:
-            print(f"{m.name:{name_width}} {m.file:{file_width}} {' '.join(m.tests)}")
+            print(f"{m.name:{name_width}} {m.where:{where_width}} {' '.join(m.tests)}")
         return 0
 
     rows = []
