@@ -13,11 +13,12 @@ Greedy tokens must be identical for every cache.
 import argparse
 import statistics
 import sys
-import time
+from functools import partial
 
 import torch
 
 from qspec_ext import generate_plain
+from qspec_ext.bench import interleaved_rounds
 from qspec_ext.demo import demo_requests
 from qspec_ext.targets import load_target
 
@@ -46,15 +47,11 @@ def main() -> int:
         target = load_target(pair, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype])
         caches = args.caches
         prompts = [prompt_of(pair, args.prompt_tokens)] * args.batch
-        speeds = {c: [] for c in caches}
-        tokens = {}
         generate_plain(target, prompts, 8, max_length=caches[0], compile=args.compile)  # warm-up
-        for _ in range(args.rounds):
-            for cache in caches:
-                start = time.perf_counter()
-                result = generate_plain(target, prompts, args.max_new_tokens, max_length=cache, compile=args.compile)
-                speeds[cache].append(sum(map(len, result.tokens)) / (time.perf_counter() - start))
-                tokens.setdefault(cache, result.tokens)
+        configs = {cache: partial(generate_plain, target, max_length=cache, compile=args.compile) for cache in caches}
+        timed = interleaved_rounds(configs, prompts, len(prompts), args.rounds, max_new_tokens=args.max_new_tokens)
+        speeds = {cache: timed.rates(cache) for cache in caches}
+        tokens = {cache: timed.results[cache][0].tokens for cache in caches}
         first = caches[0]
         same = all(tokens[c] == tokens[first] for c in caches)
         failures += not same

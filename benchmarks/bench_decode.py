@@ -21,14 +21,15 @@ greedy outputs differ.
 import argparse
 import json
 import sys
-import time
+from functools import partial
 from pathlib import Path
 
 import torch
-from common import device_name, timed
+from common import device_name
 
 import qspec_ext
 from qspec_ext import Eagle3Drafter, NativeTarget, SpeculativeDecoder, generate_plain
+from qspec_ext.bench import interleaved_calls, interleaved_rounds
 from qspec_ext.demo import DEMO_DIR, demo_prompts
 
 
@@ -49,28 +50,22 @@ def load_pair(target_dir: str, draft_dir: str, device: str, dtype: torch.dtype, 
 def step_times(device: str, target, drafter, batch: int, k: int, repeats: int = 50,
                profile: str | None = None) -> tuple[float, float]:
     """Seconds per target verify forward (k + 1 tokens per request) and per drafter step (one
-    token), on the caches the last generate call left; ``profile``: print the top ops of the
-    drafter steps under that title."""
+    token), on caches of the largest size the generate calls used; ``profile``: print the top ops
+    of the drafter steps under that title."""
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    target.setup(batch, max(target.max_length, 16))
+    drafter.setup(batch, max(drafter.max_length, 16))
     tokens = torch.ones(batch, k + 1, dtype=torch.long, device=device)
     positions = torch.arange(8, 9 + k, device=device).expand(batch, -1).contiguous()
     hidden = torch.zeros(batch, 1, drafter.config.hidden_size, dtype=drafter.fc.weight.dtype, device=device)
     calls = {"target": lambda: target(tokens, positions),
              "drafter": lambda: drafter.step(hidden, tokens[:, :1], positions[:, :1])}
-    seconds = {}
-    for name, call in calls.items():
-        with torch.no_grad():
+    with torch.no_grad():
+        for call in calls.values():
             for _ in range(3):
                 call()
-            rounds = []
-            for _ in range(5):  # the best of 5 rounds, as timed() does
-                sync()
-                start = time.perf_counter()
-                for _ in range(repeats // 5):
-                    call()
-                sync()
-                rounds.append((time.perf_counter() - start) / (repeats // 5))
-        seconds[name] = min(rounds)
+        rounds = interleaved_calls(calls, rounds=5, repeat=repeats // 5, sync=sync)
+    seconds = {name: min(times) for name, times in rounds.items()}  # the least disturbed round
     if profile:
         from torch.profiler import profile as profiler
 
@@ -98,7 +93,7 @@ def main() -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=DTYPES, default="fp32", help="weights and activations")
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
-    parser.add_argument("--repeat", type=int, default=3, help="timed runs per row (the best is reported)")
+    parser.add_argument("--repeat", type=int, default=3, help="interleaved timed rounds (medians reported)")
     parser.add_argument("--profile", action="store_true", help="print the profile of a drafter step in each mode")
     parser.add_argument("--check", action="store_true", help="fail if greedy speculative output differs from plain")
     parser.add_argument("--json", metavar="PATH")
@@ -126,15 +121,18 @@ def main() -> int:
         decoders = {kind: decoder for kind, decoder in decoders.items() if kind in args.drafting}
         for batch in args.batch:
             prompts = [tokenizer.encode(t).ids for t in texts[:batch]]
-            # The warm-up is the same run untimed: compiled, it builds every graph the timed run uses.
-            new = args.max_new_tokens if compile else 4
-            plain_warmup, _ = timed(args.device, lambda: generate_plain(target, prompts, new, compile=compile))
-            plain, plain_rate = timed(args.device, lambda: generate_plain(target, prompts, args.max_new_tokens,
-                                                                           compile=compile), args.repeat)
+            configs = {"plain": partial(generate_plain, target, compile=compile)}
+            configs |= {drafting: decoder.generate for drafting, decoder in decoders.items()}
+            if not compile:
+                for generate in configs.values():
+                    generate(prompts, max_new_tokens=4)  # warm-up
+            # Compiled, the warm-up is the same run untimed: it builds every graph the timed run uses.
+            timed = interleaved_rounds(configs, prompts, len(prompts), args.repeat, warmup=lambda name: compile,
+                                       max_new_tokens=args.max_new_tokens)
+            plain, plain_rate = timed.results["plain"][0], timed.median("plain")
             eager_plain.setdefault(batch, plain_rate)
             for drafting, decoder in decoders.items():
-                warmup, _ = timed(args.device, lambda: decoder.generate(prompts, new))
-                spec, spec_rate = timed(args.device, lambda: decoder.generate(prompts, args.max_new_tokens), args.repeat)
+                spec, spec_rate = timed.results[drafting][0], timed.median(drafting)
                 if spec.tokens != plain.tokens:
                     failures += 1
                     print(f"MISMATCH: {drafting} mode={mode} batch={batch}: speculative output differs")
@@ -143,14 +141,14 @@ def main() -> int:
                 rows.append(dict(mode=mode, batch=batch, drafting=drafting, k=args.k,
                                  num_draft_tokens=decoder.drafting.num_draft_tokens,
                                  plain_tokens_per_s=plain_rate, spec_tokens_per_s=spec_rate,
-                                 speedup=spec_rate / plain_rate, plain_vs_first_mode=plain_rate / eager_plain[batch],
-                                 decode_speedup=spec.stats.decode_tokens_per_second
-                                 / plain.stats.decode_tokens_per_second,
+                                 speedup=timed.speedup(drafting, ["plain"]),
+                                 plain_vs_first_mode=plain_rate / eager_plain[batch],
+                                 decode_speedup=timed.speedup(drafting, ["plain"], decode=True),
                                  mean_acceptance_length=spec.stats.mean_acceptance_length,
                                  acceptance_per_position=spec.stats.acceptance_rate_per_position,
                                  target_verify_ms=target_s * 1e3, drafter_step_ms=drafter_s * 1e3,
                                  drafter_step_vs_verify=drafter_s / target_s,
-                                 compile_s=(warmup.stats.wall_time - spec.stats.wall_time) if compile else 0.0))
+                                 compile_s=timed.compile_time[drafting]))
     print(f"\nqspec_ext decoding on {device_name(args.device)} (qspec_ext {qspec_ext.__version__}, "
           f"{target_dir}, {args.dtype}, k={args.k}, {args.max_new_tokens} new tokens)")
     print(f"{'mode':>13}  {'batch':>5}  {'drafting':>8}  {'nodes':>5}  {'plain tok/s':>11}  {'spec tok/s':>10}  "

@@ -10,7 +10,7 @@ speculative decoding with an oracle drafter (drafts the target's own greedy cont
 draft accepted, no rollback) and with a random drafter (nearly every draft rejected: a rollback
 every step), the latter with the replay inside the linear-attention mixers (default) and as
 whole-model forwards (split_mixers=False). The verify-call times (fastest target forward of a
-step, from a profiled run that synchronizes the device; tokens/s are the best of --repeat runs) give the rollback's share of a
+step, from a profiled run that synchronizes the device; tokens/s are the median of --repeat runs) give the rollback's share of a
 rejecting step: 1 - all-accepted call / rejecting call (the calls score the same k+1 tokens).
 Fails when a greedy speculative output differs from plain decoding.
 """
@@ -18,13 +18,15 @@ Fails when a greedy speculative output differs from plain decoding.
 import argparse
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
 import transformers
-from common import device_name, timed
+from common import device_name
 
 from qspec_ext import Eagle3Config, Eagle3Drafter, HFTarget, SpeculativeDecoder, generate_plain
+from qspec_ext.bench import interleaved_rounds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from helpers import OracleDrafter, oracle_decoder  # noqa: E402  (the tests' oracle: the continuation as drafts)
@@ -63,6 +65,13 @@ def build_drafter(target: HFTarget, device, dtype) -> Eagle3Drafter:
         for p in drafter.parameters():
             p.normal_(0, 0.05)
     return drafter.to(device=device, dtype=dtype).eval()
+
+
+def median_run(generate, prompts, max_new_tokens: int, rounds: int):
+    """The first run's result and the median tokens/s of ``rounds`` runs (each target wraps the
+    model with its own hooks, so the targets run one after another, not interleaved)."""
+    timed = interleaved_rounds({"run": generate}, prompts, len(prompts), rounds, max_new_tokens=max_new_tokens)
+    return timed.results["run"][0], timed.median("run")
 
 
 def main() -> int:
@@ -106,7 +115,7 @@ def main() -> int:
                        for b in range(batch)]  # ragged
             n = args.max_new_tokens
             generate_plain(base, prompts, 4)  # warm-up
-            plain, plain_tps = timed(device, lambda: generate_plain(base, prompts, n), args.repeat)
+            plain, plain_tps = median_run(partial(generate_plain, base), prompts, n, args.repeat)
             full = generate_plain(base, prompts, n + 2 * args.k).tokens
             oracle = OracleDrafter(drafter, full, [len(p) for p in prompts])
             runs = [("oracle", oracle, True), ("random", drafter, True)]
@@ -116,7 +125,7 @@ def main() -> int:
             for name, d, split in runs:
                 target = HFTarget(model, split_mixers=split)
                 decoder = oracle_decoder(target, d, args.k) if d is oracle else SpeculativeDecoder(target, d, args.k)
-                spec, tps = timed(device, lambda: decoder.generate(prompts, n), args.repeat)
+                spec, tps = median_run(decoder.generate, prompts, n, args.repeat)
                 failed |= spec.tokens != plain.tokens
                 target.profile = True
                 decoder.generate(prompts, n)

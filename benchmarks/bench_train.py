@@ -12,16 +12,16 @@ run. The compiled mode's first call (compilation) is untimed and reported on its
 
 import argparse
 import json
-import time
 from functools import partial
 
 import torch
 from common import device_name
 
 from qspec_ext import Eagle3Drafter, NativeTarget
+from qspec_ext.bench import interleaved_calls
 from qspec_ext.demo import DEMO_DIR, stdlib_files
 from qspec_ext.rope import rope_cos_sin_cache
-from qspec_ext.train import TrainConfig, parallel_loss, ttt_loss
+from qspec_ext.train import TrainConfig, draft_labels, parallel_loss, ttt_loss
 
 SEQ, BATCH, TTT, DEPTH = 256, 8, 7, 8
 
@@ -63,6 +63,8 @@ def main():
         cos_sin = rope_cos_sin_cache(SEQ + DEPTH + 1, c.head_dim, c.rope_theta, device=device, scaling=c.rope_scaling)
         aux = model.config.aux_layer_ids
         features = torch.cat([out.hidden_states[i] for i in aux], dim=-1)
+        draft_ids = model.t2d.nonzero().flatten() if model.t2d is not None else torch.arange(c.vocab_size, device=device)
+        labels = draft_labels(out.logits, draft_ids)  # what the trainer stores per token
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=1e-5)
         if kind == "chain":
@@ -75,25 +77,17 @@ def main():
 
         def step(fn, bf16):
             with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
-                loss, _ = fn(model, ids, features, out.logits)
+                loss, _ = fn(model, ids, features, labels)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             if device.startswith("cuda"):
                 torch.cuda.synchronize()
 
-        first = {}
-        for mode, (fn, bf16) in modes.items():
-            began = time.perf_counter()
-            step(fn, bf16)
-            first[mode] = time.perf_counter() - began
-        best = {mode: float("inf") for mode in modes}
-        for _ in range(args.rounds):
-            for mode, (fn, bf16) in modes.items():
-                began = time.perf_counter()
-                for _ in range(args.steps):
-                    step(fn, bf16)
-                best[mode] = min(best[mode], (time.perf_counter() - began) / args.steps)
+        calls = {mode: partial(step, fn, bf16) for mode, (fn, bf16) in modes.items()}
+        first = {mode: times[0] for mode, times in interleaved_calls(calls, rounds=1).items()}  # compiles
+        timed = interleaved_calls(calls, rounds=args.rounds, repeat=args.steps)
+        best = {mode: min(times) for mode, times in timed.items()}
         for mode in modes:
             rows[f"{kind} {mode}"] = {"s_per_step": best[mode], "speedup_vs_fp32": best["fp32"] / best[mode],
                                       "first_step_s": first[mode]}

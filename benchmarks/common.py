@@ -176,22 +176,6 @@ def compiled(fn: Callable) -> Callable:
     return torch.compile(fn, dynamic=False)
 
 
-def timed(device: str, generate, repeat: int = 1):
-    """The best of ``repeat`` runs of generate(): its result and tokens/s, each run timed up to the
-    end of its device work (the decode loops stop their clocks before the work queued after their
-    last sync). The best run is the one least disturbed by other work on a shared machine."""
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    runs = []
-    for _ in range(repeat):
-        sync()
-        start = time.perf_counter()
-        result = generate()
-        sync()
-        runs.append((result.stats.num_generated_tokens / (time.perf_counter() - start), result))
-    rate, result = max(runs, key=lambda run: run[0])
-    return result, rate
-
-
 RESULT_PREFIX = "RESULT "
 
 

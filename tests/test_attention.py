@@ -11,42 +11,7 @@ from conftest import assert_close
 from helpers import run_children, run_here
 
 from qspec_ext import ops, reference
-
-ATTENTION_TOLERANCES = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
-                        torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
-
-
-def attention_inputs(batch, tokens, heads_q, heads_kv, head_dim, max_length, dtype, device, seed=0, contexts=None,
-                     scratch=None):
-    """Query as the models pass it (a strided view of a packed QKV projection), caches, and
-    positions: request b's tokens at the last positions of a context of contexts[b] tokens
-    (random by default); with ``scratch``, a draft tree: tree_start [B] (request 1 inactive when
-    B > 1), tree_seen [B, T, scratch] random, positions start + depth."""
-    g = torch.Generator().manual_seed(seed)
-    width = (heads_q + 2 * heads_kv) * head_dim
-    qkv = torch.randn(batch * tokens, width, generator=g).to(dtype)
-    query = qkv[:, : heads_q * head_dim].reshape(batch, tokens, heads_q, head_dim)
-    k_cache = torch.randn(batch * max_length, heads_kv, head_dim, generator=g).to(dtype)
-    v_cache = torch.randn(batch * max_length, heads_kv, head_dim, generator=g).to(dtype)
-    if contexts is None:
-        contexts = torch.randint(tokens, max_length + 1, (batch,), generator=g).tolist()
-    tree_start = tree_seen = None
-    if scratch is None:
-        positions = torch.stack([torch.arange(c - tokens, c) for c in contexts])
-    else:
-        start = [min(c, max_length - scratch) for c in contexts]
-        tree_start = torch.tensor(start)
-        if batch > 1:
-            tree_start[1] = -1
-        tree_seen = torch.rand(batch, tokens, scratch, generator=g) < 0.5
-        depth = torch.randint(0, scratch, (batch, tokens), generator=g)
-        positions = torch.where(tree_start[:, None] >= 0, tree_start[:, None] + depth, -1)
-    if batch > 2:
-        positions[2, -1] = -1  # a padding query
-    to = lambda t: None if t is None else t.to(device)  # noqa: E731
-    return dict(query=query.to(device), k_cache=k_cache.to(device), v_cache=v_cache.to(device),
-                positions=positions.to(device), scale=head_dim**-0.5, tree_start=to(tree_start),
-                tree_seen=to(tree_seen))
+from op_cases import ATTENTION_TOLERANCES, attention_inputs
 
 
 def check_against_reference(inputs, window=0):
@@ -157,7 +122,7 @@ def test_both_cpu_kernels_match_the_reference(dtype, switch):
     script = textwrap.dedent("""
         import sys, torch
         sys.path.insert(0, %r)
-        from test_attention import ATTENTION_TOLERANCES, attention_inputs
+        from op_cases import ATTENTION_TOLERANCES, attention_inputs
         from qspec_ext import ops, reference
         dtype = getattr(torch, %r)
         for tokens, heads_q, heads_kv, head_dim, scratch in [(4, 9, 3, 64, None), (40, 9, 3, 64, None),

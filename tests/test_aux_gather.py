@@ -10,31 +10,10 @@ from conftest import DEVICES, assert_close, assert_cuda_script_fails_with
 
 import qspec_ext
 from qspec_ext import reference as ref
+from op_cases import make_inputs
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 MODES = ["none", "fc_norm", "norm_before_fc"]
-
-
-def make_inputs(n, hidden, rows, dtype, device, mode, residual=False, strided=False, weight_f32=True, seed=0,
-                index_dtype=torch.int64, padding=True):
-    g = torch.Generator().manual_seed(seed)
-    tokens = rows + 7
-    def feature():
-        t = torch.randn(tokens, hidden + (5 if strided else 0), generator=g).to(dtype).to(device)
-        return t[:, :hidden]
-    aux = [feature() * (i + 1) for i in range(n)]
-    res = [feature() for _ in range(n)] if residual else None
-    indices = torch.randint(0, tokens, (rows,), generator=g)
-    if padding and rows > 1:
-        indices[1::4] = -1
-    indices = indices.to(index_dtype).to(device)
-    wdt = torch.float32 if weight_f32 else dtype
-    weight = None
-    if mode == "fc_norm":
-        weight = (torch.rand(n, hidden, generator=g) + 0.5).to(wdt).to(device)
-    elif mode == "norm_before_fc":
-        weight = (torch.rand(n * hidden, generator=g) + 0.5).to(wdt).to(device)
-    return aux, indices, res, weight
 
 
 def grid():

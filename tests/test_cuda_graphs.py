@@ -9,13 +9,9 @@ or wrote with an eager call on the same values, exactly: same kernel, same input
 
 import pytest
 import torch
-from test_attention import attention_inputs
-from test_aux_gather import make_inputs as aux_inputs
-from test_decoder_layer import layer_args
-from test_norm_rope import RopeCase, make_rope_inputs
-from test_verify import sampling_case
-from test_verify_tree import sampling_args as tree_sampling_args
-from test_verify_tree import tree_case
+from op_cases import RopeCase, attention_inputs, layer_args, make_rope_inputs, sampling_case, tree_case
+from op_cases import make_inputs as aux_inputs
+from op_cases import sampling_args as tree_sampling_args
 
 import qspec_ext  # noqa: F401  (registers the ops)
 

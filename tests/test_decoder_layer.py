@@ -7,46 +7,7 @@ import torch
 from conftest import assert_close
 
 from qspec_ext import ops, reference
-from qspec_ext.drafting.tree import TreeAttention
-from qspec_ext.models.linear import pack_weight
-from qspec_ext.rope import rope_cos_sin_cache
-
-HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, LENGTH = 48, 4, 2, 16, 40, 32
-
-
-def layer_args(device, dtype, *, packed=False, qk_norm=True, tree=False, seed=0):
-    """Arguments of one call: 2 requests x 3 tokens at positions 5-7 and 9-11 (the second
-    request's last token padding), caches holding earlier keys and values."""
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape, scale=1.0):
-        return (scale * torch.randn(*shape, generator=g)).to(dtype).to(device)
-
-    qkv_width = (HEADS + 2 * KV_HEADS) * HEAD_DIM
-    weights = [rand(qkv_width, HIDDEN, scale=0.2), rand(HIDDEN, HEADS * HEAD_DIM, scale=0.2),
-               rand(2 * INTERMEDIATE, HIDDEN, scale=0.2), rand(HIDDEN, INTERMEDIATE, scale=0.2)]
-    if packed:
-        weights = [pack_weight(w) for w in weights]
-    positions = torch.tensor([[5, 6, 7], [9, 10, -1]], device=device)
-    batch, tokens = positions.shape
-    if tree:  # each request's 3 tokens: a root and two children, from slot position[b, 0] on
-        seen = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool, device=device)
-        at = TreeAttention(positions[:, 0], seen.expand(batch, -1, -1).contiguous(), LENGTH)
-        slots, tree_args = at.slots, (at.start, at.seen)
-    else:
-        start = torch.arange(batch, device=device)[:, None] * LENGTH
-        slots, tree_args = torch.where(positions >= 0, start + positions, -1).reshape(-1), (None, None)
-    norms = (rand(HEAD_DIM, scale=0.1) + 1, rand(HEAD_DIM, scale=0.1) + 1) if qk_norm else (None, None)
-    return dict(
-        hidden=rand(batch * tokens, HIDDEN), residual=rand(batch * tokens, HIDDEN),
-        input_norm=rand(HIDDEN, scale=0.1) + 1, post_norm=rand(HIDDEN, scale=0.1) + 1,
-        qkv_weight=weights[0], o_weight=weights[1], gate_up_weight=weights[2], down_weight=weights[3],
-        q_norm=norms[0], k_norm=norms[1],
-        k_cache=rand(batch * LENGTH, KV_HEADS, HEAD_DIM), v_cache=rand(batch * LENGTH, KV_HEADS, HEAD_DIM),
-        cos_sin_cache=rope_cos_sin_cache(LENGTH, HEAD_DIM, 10000.0, torch.float32, device),
-        positions=positions, rope_positions=positions.reshape(-1).clamp(min=0), slots=slots,
-        tree_start=tree_args[0], tree_seen=tree_args[1], num_heads_q=HEADS, num_heads_kv=KV_HEADS,
-        head_dim=HEAD_DIM, intermediate_size=INTERMEDIATE, eps=1e-6)
+from op_cases import LENGTH, layer_args
 
 
 def cloned(args: dict) -> dict:

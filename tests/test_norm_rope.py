@@ -2,7 +2,6 @@
 
 import itertools
 import os
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -10,15 +9,9 @@ from conftest import DEVICES, assert_close, assert_cuda_script_fails_with
 
 import qspec_ext
 from qspec_ext import reference as ref
+from op_cases import RopeCase, make_rope_inputs, strided_rows
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-def strided_rows(t: torch.Tensor, pad: int = 3) -> torch.Tensor:
-    """The same values in a wider buffer: rows strided, last dim contiguous."""
-    wide = torch.full((t.shape[0], t.shape[1] + pad), 7.0, dtype=t.dtype, device=t.device)
-    wide[:, : t.shape[1]] = t
-    return wide[:, : t.shape[1]]
 
 
 # ----------------------------------------------------------------------------- norms
@@ -140,34 +133,6 @@ def test_norms_of_zero_and_tiny_rows_depend_on_eps(device):
 # ----------------------------------------------------------------------------- qk_norm_rope_
 
 
-@dataclass
-class RopeCase:
-    tokens: int
-    heads_q: int
-    heads_kv: int
-    head_dim: int
-    rot: int
-    dtype: torch.dtype
-    is_neox: bool
-    norm: bool = True
-    weight_f32: bool = False
-    cache_f32: bool = True
-    positions_i64: bool = True
-    strided: bool = False
-    kv_cache: bool = False
-
-    def __str__(self):
-        flags = [
-            f"T{self.tokens}", f"h{self.heads_q}x{self.heads_kv}", f"D{self.head_dim}", f"rot{self.rot}",
-            str(self.dtype).split(".")[-1], "neox" if self.is_neox else "gptj",
-        ]
-        flags += [name for name in ("weight_f32", "strided", "kv_cache") if getattr(self, name)]
-        flags += [] if self.norm else ["no_norm"]
-        flags += [] if self.cache_f32 else ["cos_sin_act"]
-        flags += [] if self.positions_i64 else ["pos_i32"]
-        return "-".join(flags)
-
-
 def rope_grid() -> list[RopeCase]:
     """Every head_dim x dtype x pairing, with the other dimensions cycled through."""
     cases = []
@@ -195,35 +160,6 @@ def rope_grid() -> list[RopeCase]:
 
 
 ROPE_CASES = rope_grid()
-
-
-def make_rope_inputs(case: RopeCase, device: str, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    width = (case.heads_q + 2 * case.heads_kv) * case.head_dim
-    qkv = (torch.randn(case.tokens, width, generator=g) * 2).to(case.dtype).to(device)
-    if case.strided:
-        qkv = strided_rows(qkv, pad=case.head_dim + 2)
-    wdt = torch.float32 if case.weight_f32 else case.dtype
-    q_w = (torch.rand(case.head_dim, generator=g) + 0.5).to(wdt).to(device) if case.norm else None
-    k_w = (torch.rand(case.head_dim, generator=g) + 0.5).to(wdt).to(device) if case.norm else None
-    max_pos = case.tokens + 50
-    cache = qspec_ext.rope_cos_sin_cache(max_pos, case.rot, theta=10000.0, device=device)
-    if not case.cache_f32:
-        cache = cache.to(case.dtype)
-    pdt = torch.int64 if case.positions_i64 else torch.int32
-    positions = torch.randint(0, max_pos, (case.tokens,), generator=g).to(pdt).to(device)
-    kv = {}
-    if case.kv_cache:
-        slots = case.tokens + 9
-        perm = torch.randperm(slots, generator=g)[: case.tokens]
-        perm[::3] = -1  # some tokens skip the cache write
-        kv = dict(
-            k_cache=torch.zeros(slots, case.heads_kv, case.head_dim, dtype=case.dtype, device=device),
-            v_cache=torch.zeros(slots, case.heads_kv, case.head_dim, dtype=case.dtype, device=device),
-            slot_mapping=perm.to(pdt).to(device),
-        )
-    args = (q_w, k_w, cache, positions, case.heads_q, case.heads_kv, case.head_dim, 1e-6, case.is_neox)
-    return qkv, args, kv
 
 
 def clone_kv(kv):

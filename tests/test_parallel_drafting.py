@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import save_file
-from test_eagle3_drafter import (
+from drafter_cases import (
     HEAD_DIM, HEADS, KV_HEADS, VOCAB, H, fake_target, inputs, make_config, naive_fc, naive_pairs, random_drafter,
     write_eagle, write_speculators,
 )

@@ -8,6 +8,7 @@ from helpers import counts_pvalue
 import qspec_ext
 from qspec_ext import reference as ref
 from qspec_ext.sampling import apply_top_k_top_p
+from op_cases import sampling_case
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -91,31 +92,6 @@ def test_greedy_argmax_in_every_lane_and_the_tail(device, special, dtype):
 
 
 # ----------------------------------------------------------------------------- sampling vs reference
-
-
-def sampling_case(batch, k, vocab, dtype, q_kind, seed=0, draft_vocab=None):
-    g = torch.Generator().manual_seed(seed)
-    logits = (torch.randn(batch, k + 1, vocab, generator=g) * 2).to(dtype)
-    temperature = torch.tensor([[0.0, 0.3, 1.0, 1.7][b % 4] for b in range(batch)])
-    d2t = draft_probs = None
-    if q_kind == "onehot":
-        drafts = logits.float().argmax(-1)[:, :k].clone()
-        drafts[:, ::2] = torch.randint(0, vocab, (batch, (k + 1) // 2), generator=g)
-    else:
-        width = draft_vocab if q_kind == "d2t" else vocab
-        draft_probs = torch.softmax(torch.randn(batch, k, width, generator=g) * 2, -1)
-        draft_ids = torch.multinomial(draft_probs.view(-1, width), 1, generator=g).view(batch, k)
-        if q_kind == "d2t":
-            targets = torch.randperm(vocab, generator=g)[:width].sort().values
-            d2t = targets - torch.arange(width)
-            drafts = targets[draft_ids]
-        else:
-            drafts = draft_ids
-    seeds = torch.randint(0, 2**62, (batch,), generator=g)
-    offsets = torch.randint(0, 10**6, (batch,), generator=g)
-    num_draft = torch.randint(0, k + 1, (batch,), generator=g)
-    return dict(draft_ids=drafts, draft_probs=draft_probs, target_logits=logits, temperature=temperature,
-                seed=seeds, offset=offsets, d2t=d2t, num_draft=num_draft)
 
 
 def to_device(case, device):

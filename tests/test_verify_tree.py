@@ -1,7 +1,6 @@
 """verify_tree_greedy / verify_tree_sampling: hand-built trees, random trees against the
 reference, the lossless law, opcheck and bad input."""
 
-import random
 
 import pytest
 import torch
@@ -11,58 +10,7 @@ from helpers import counts_pvalue
 import qspec_ext
 from qspec_ext import reference as ref
 from qspec_ext.sampling import apply_top_k_top_p
-
-
-def random_tree(num_nodes: int, branching: int, max_depth: int, rng: random.Random, unused: float = 0.0) -> list[int]:
-    """parents [N] of a random tree in topological (breadth-first) order, at most `branching`
-    children per node and `max_depth` levels; a fraction `unused` of the trailing nodes is -1."""
-    parents, depth, frontier = [], {0: 0}, [0]
-    while len(parents) < num_nodes and frontier:
-        node = frontier.pop(0)
-        for _ in range(rng.randint(1, branching)):
-            if len(parents) == num_nodes or depth[node] == max_depth:
-                break
-            child = len(parents) + 1
-            parents.append(node)
-            depth[child] = depth[node] + 1
-            frontier.append(child)
-    cut = len(parents) - int(unused * len(parents))
-    return parents[:cut] + [-1] * (num_nodes - cut)
-
-
-def tree_case(batch, num_nodes, vocab, dtype, seed=0, branching=3, max_depth=6, unused=0.0, duplicates=True):
-    """Random trees whose drafts are often the target's argmax (most nodes have a child, at a
-    random sibling index, holding it, so walks go deep and take every branch), some drafts
-    repeated among siblings, the logits of some rows NaN or -inf."""
-    g = torch.Generator().manual_seed(seed)
-    rng = random.Random(seed)
-    logits = torch.randn(batch, num_nodes + 1, vocab, generator=g) * 2
-    parents = torch.tensor([random_tree(num_nodes, branching, max_depth, rng, unused if b % 2 else 0.0)
-                            for b in range(batch)], dtype=torch.long).view(batch, num_nodes)
-    argmax = logits.argmax(-1)
-    drafts = torch.randint(0, vocab, (batch, num_nodes), generator=g)
-    for b in range(batch):
-        children = {}
-        for i, parent in enumerate(parents[b].tolist()):
-            if parent >= 0:
-                children.setdefault(parent, []).append(i)
-        for parent, kids in children.items():
-            if rng.random() < 0.85:
-                drafts[b, rng.choice(kids)] = argmax[b, parent]
-            if duplicates and len(kids) > 1 and rng.random() < 0.3:  # a repeated sibling token
-                first, second = rng.sample(kids, 2)
-                drafts[b, max(first, second)] = drafts[b, min(first, second)]
-        drafts[b, parents[b] == -1] = -5  # ignored
-    if batch > 2 and num_nodes > 1:
-        logits[1, 1] = float("nan")
-        logits[2, 0] = float("-inf")
-    return drafts, parents, logits.to(dtype)
-
-
-def sampling_args(batch, seed=0):
-    g = torch.Generator().manual_seed(seed + 1)
-    temperature = torch.tensor([[0.0, 0.4, 1.0, 1.6][b % 4] for b in range(batch)])
-    return temperature, torch.randint(0, 2**62, (batch,), generator=g), torch.randint(0, 10**6, (batch,), generator=g)
+from op_cases import sampling_args, tree_case
 
 
 def test_hand_built_tree(device):

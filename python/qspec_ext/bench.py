@@ -1,10 +1,12 @@
-"""Timing decoding configurations against each other, as ``qspec bench``, ``qspec demo`` and
-benchmarks/bench_smollm2.py do: every configuration runs once per round, the rounds interleaved
-(A B C ... A B C ...), so that a shared machine's drift falls on all of them alike; a figure is
-the median over the rounds (with its spread), a speed-up the median of each round's ratio to the
-round's fastest baseline (plain decoding)."""
+"""The one timing harness of ``qspec bench``, ``qspec demo`` and benchmarks/: every configuration
+runs once per round, the rounds interleaved (A B C ... A B C ...), so that a shared machine's drift
+falls on all of them alike; a figure is the median over the rounds (with its spread), a speed-up
+the median of each round's ratio to the round's fastest baseline (plain decoding).
+:func:`interleaved_rounds` times decoding (each run's own clock, GenerateResult.stats);
+:func:`interleaved_calls` times any callables (a forward, a training step)."""
 
 import statistics
+import time
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 
@@ -86,3 +88,20 @@ def interleaved_rounds(configs: dict[Hashable, Generate], prompts: list[list[int
             if on_run is not None:
                 on_run(name, round_)
     return timed
+
+
+def interleaved_calls(calls: dict[Hashable, Callable[[], object]], rounds: int, repeat: int = 1,
+                      sync: Callable[[], None] = lambda: None) -> dict[Hashable, list[float]]:
+    """Seconds per call of each of ``calls``, one figure per round, the rounds interleaved: a round
+    runs each callable ``repeat`` times in a row, timed from ``sync()`` to ``sync()`` (which waits
+    for the device's queued work: ``torch.cuda.synchronize`` on a GPU). Warm-ups are the caller's."""
+    seconds: dict[Hashable, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            sync()
+            start = time.perf_counter()
+            for _ in range(repeat):
+                call()
+            sync()
+            seconds[name].append((time.perf_counter() - start) / repeat)
+    return seconds

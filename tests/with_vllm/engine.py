@@ -1,11 +1,16 @@
 """Runs a vLLM engine in a child process (in-process engine core and worker, eager) and returns its
-tokens, its speculative-decoding counters and, with the qspec_ext plugin, the calls each seam took."""
+tokens, its speculative-decoding counters and, with the qspec_ext plugin, the calls each seam took;
+and the stage's shared builders (prompts, a random drafter of the shipped target's shape)."""
 
 import json
 import os
 import subprocess
 import sys
 import textwrap
+
+import torch
+
+from qspec_ext import Eagle3Config, Eagle3Drafter
 
 VLLM_SCRIPT = textwrap.dedent("""
     import json, sys
@@ -51,3 +56,27 @@ def run_vllm(target, draft, tmp_path, prompts, new_tokens, k, parallel=False, te
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
     return json.loads(lines[-1][len("RESULT "):])
+
+
+PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22, 23, 24, 25, 26, 27, 28], [40, 41, 42, 43]]
+
+
+NEW_TOKENS, K = 24, 3
+
+
+def random_drafter(arch: str, **flags) -> Eagle3Drafter:
+    """A drafter of the shipped target's shape with random weights (greedy decoding must still be
+    the target's own)."""
+    config = Eagle3Config(hidden_size=192, num_attention_heads=3, num_key_value_heads=1, head_dim=64,
+                          intermediate_size=256, vocab_size=512, draft_vocab_size=256, arch=arch,
+                          aux_layer_ids=[2, 4, 5], rope_theta=10000.0, max_position_embeddings=2048, **flags)
+    torch.manual_seed(3)
+    drafter = Eagle3Drafter(config).eval()
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.normal_(0, 0.05)
+        ids = torch.randperm(512)[:256].sort().values
+        drafter.d2t.copy_(ids - torch.arange(256))
+        drafter.t2d.zero_()
+        drafter.t2d[ids] = True
+    return drafter

@@ -3,35 +3,13 @@ venv: scripts/make_vllm_venv.sh; skipped where vllm is absent). Each vLLM engine
 process (in-process engine, eager), one per drafter kind."""
 
 import pytest
-import torch
 
 pytest.importorskip("vllm.entrypoints.llm")  # the package (a folder named vllm could pass for one)
 
-from qspec_ext import Eagle3Config, Eagle3Drafter, SpeculativeDecoder, generate_plain, load_pair  # noqa: E402
+from qspec_ext import SpeculativeDecoder, generate_plain, load_pair  # noqa: E402
 from qspec_ext.demo import DEMO_DIR  # noqa: E402
 
-from engine import run_vllm  # noqa: E402
-
-PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22, 23, 24, 25, 26, 27, 28], [40, 41, 42, 43]]
-NEW_TOKENS, K = 24, 3
-
-
-def random_drafter(arch: str, **flags) -> Eagle3Drafter:
-    """A drafter of the shipped target's shape with random weights (greedy decoding must still be
-    the target's own)."""
-    config = Eagle3Config(hidden_size=192, num_attention_heads=3, num_key_value_heads=1, head_dim=64,
-                          intermediate_size=256, vocab_size=512, draft_vocab_size=256, arch=arch,
-                          aux_layer_ids=[2, 4, 5], rope_theta=10000.0, max_position_embeddings=2048, **flags)
-    torch.manual_seed(3)
-    drafter = Eagle3Drafter(config).eval()
-    with torch.no_grad():
-        for p in drafter.parameters():
-            p.normal_(0, 0.05)
-        ids = torch.randperm(512)[:256].sort().values
-        drafter.d2t.copy_(ids - torch.arange(256))
-        drafter.t2d.zero_()
-        drafter.t2d[ids] = True
-    return drafter
+from engine import K, NEW_TOKENS, PROMPTS, random_drafter, run_vllm  # noqa: E402
 
 
 KINDS = {

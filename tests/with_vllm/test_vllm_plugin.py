@@ -15,8 +15,7 @@ pytest.importorskip("vllm.entrypoints.llm")
 from qspec_ext.demo import DEMO_DIR  # noqa: E402
 from qspec_ext.integrations import vllm as plugin  # noqa: E402
 
-from engine import run_vllm  # noqa: E402
-from test_vllm_checkpoints import NEW_TOKENS, PROMPTS, random_drafter  # noqa: E402
+from engine import NEW_TOKENS, PROMPTS, random_drafter, run_vllm  # noqa: E402
 
 K = 3
 

@@ -198,10 +198,9 @@ class Eagle3Drafter(nn.Module):
         data-dependent shape (eager only; the decode loop decides once per generate call). Unchecked:
         the loop sizes the cache for every step."""
         at = self._positions(positions, packed=packed)
-        logits, x_next = self._pairs(fc_input, next_tokens, at, from_features=True, normalized=True,
-                                     last=at.last_tokens())
-        last = positions.argmax(dim=1)
-        return DraftState(logits.float(), x_next, positions[torch.arange(positions.shape[0], device=last.device), last] + 1)
+        last = at.last_tokens()
+        logits, x_next = self._pairs(fc_input, next_tokens, at, from_features=True, normalized=True, last=last)
+        return DraftState(logits.float(), x_next, last.positions[:, 0] + 1)
 
     def _check_bounds(self, positions: torch.Tensor) -> None:
         top = int(positions.max())
