@@ -183,7 +183,7 @@ MUTANTS = [
     Mutant("teacher_shifted_by_one", "ttt_loss",
            "step_labels = tuple(t[:, source[:count]] for t in labels)",
            "step_labels = tuple(t[:, source[:count] - 1] for t in labels)",
-           (TR + "test_ttt_loss_counts_only_weighted_rows",)),
+           (TR + "test_ttt_step_one_is_the_drafters_forward",)),
     Mutant("prompt_rows_trained", "TargetFeatures.layout",
            "trained[start + max(first - 1, 0) : start + len(ids) - 1] = True",
            "trained[start : start + len(ids) - 1] = True",
