@@ -77,7 +77,9 @@ class Linear(nn.Linear):
         """The packed weight when it serves ``x``: CPU inference (no autograd, no autocast) in its
         dtype, no bias, while it still holds the weight's values; else None."""
         # Called a few hundred times a decode step: the checks read the parameter dict directly
-        # (nn.Module's attribute lookup costs more than the checks).
+        # (nn.Module's attribute lookup costs more than the checks). Under torch.compile the weight's
+        # address and version cannot be traced: compiled steps skip the check (every generate call's
+        # setup repacks changed weights first: pack_linears).
         packed, params = self.packed_weight, self._parameters
         if (packed is not None and x.dtype == packed.dtype and x.is_cpu and params["bias"] is None
                 and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
