@@ -496,7 +496,7 @@ MUTANTS = [
            "hidden, residual = hidden[last.rows], residual[last.rows]",
            "hidden, residual = hidden[last.rows], residual[: last.rows.shape[0]]",
            (TARGETS + "test_a_ragged_prefill_runs_its_tokens_packed",)),
-    Mutant("drafter_last_layer_residual_of_the_first_rows", "Eagle3Drafter._pairs",
+    Mutant("drafter_last_layer_residual_of_the_first_rows", "DecoderLayer.attention_and_mlp",
            "            residual = residual[only.rows]\n", "            residual = residual[: only.rows.shape[0]]\n",
            (DRAFTER + "test_prefill_last_keeps_the_last_pairs",)),
     Mutant("drafter_later_layers_last_rows_of_the_first_rows", "Eagle3Drafter._pairs",

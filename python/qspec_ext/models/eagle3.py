@@ -229,19 +229,15 @@ class Eagle3Drafter(nn.Module):
         else:
             x = at.tokens(hidden.reshape(B * T, -1))
         embeds = self.embed_tokens(at.tokens(tokens.reshape(-1)))
-        first, later = self.layers[0], self.layers[1:]
+        first, count = self.layers[0], len(self.layers)
         u, residual = o.eagle3_input_norm(embeds, x, first.input_layernorm.weight, first.hidden_norm.weight,
                                           c.rms_norm_eps, c.norm_before_residual)
-        only = last if not later else None
-        out = first.self_attn.forward_cached(o, u, self.caches[0], self.cos_sin, at, c.rms_norm_eps, c.window(0), only)
-        if only is not None:
-            residual = residual[only.rows]
-        o.fused_add_rms_norm_(out, residual, first.post_attention_layernorm.weight, c.rms_norm_eps)
-        out = first.mlp(out, o)
-        for i, layer in enumerate(later, 1):
-            only = last if i == len(self.layers) - 1 else None
-            layer.forward_cached(o, out, residual, self.caches[i], self.cos_sin, at, c.window(i), only)
-        if later and last is not None:
+        out, residual = first.attention_and_mlp(o, u, residual, self.caches[0], self.cos_sin, at, c.window(0),
+                                                last if count == 1 else None)
+        for i in range(1, count):
+            only = last if i == count - 1 else None
+            self.layers[i].forward_cached(o, out, residual, self.caches[i], self.cos_sin, at, c.window(i), only)
+        if count > 1 and last is not None:
             out, residual = out[last.rows], residual[last.rows]
         o.fused_add_rms_norm_(out, residual, self.norm.weight, c.rms_norm_eps)  # out = z, residual = h
         logits = self.lm_head(out)

@@ -243,12 +243,23 @@ class DecoderLayer(nn.Module):
                                    self.intermediate, self.eps, at.token_rows, *output)
             return
         kernels.fused_add_rms_norm_(hidden, residual, self.input_layernorm.weight, self.eps)
-        out = attn.forward_cached(kernels, hidden, cache, cos_sin, at, self.eps, window, only)
-        rows = slice(None) if only is None else only.rows
-        stream = residual[rows]
-        kernels.fused_add_rms_norm_(out, stream, self.post_attention_layernorm.weight, self.eps)
-        residual[rows] = stream
-        hidden[rows] = mlp(out, kernels)
+        out, stream = self.attention_and_mlp(kernels, hidden, residual, cache, cos_sin, at, window, only)
+        if only is None:
+            hidden.copy_(out)
+        else:
+            residual[only.rows], hidden[only.rows] = stream, out
+
+    def attention_and_mlp(self, kernels, u: torch.Tensor, residual: torch.Tensor,
+                          cache: tuple[torch.Tensor, torch.Tensor], cos_sin: torch.Tensor, at: "CachedPositions",
+                          window: int | None, only: "LastTokens | None") -> tuple[torch.Tensor, torch.Tensor]:
+        """The cached layer after its input norm, op by op: attention of the normalized rows ``u``,
+        the residual add and norm, the MLP. Returns the MLP's output and the residual stream (of the
+        ``only`` rows, if given; else ``residual`` itself, updated in place)."""
+        out = self.self_attn.forward_cached(kernels, u, cache, cos_sin, at, self.eps, window, only)
+        if only is not None:
+            residual = residual[only.rows]
+        kernels.fused_add_rms_norm_(out, residual, self.post_attention_layernorm.weight, self.eps)
+        return self.mlp(out, kernels), residual
 
     def attention_input(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The differentiable path: (residual, attention input) of the stream h."""
